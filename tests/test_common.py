@@ -1,0 +1,328 @@
+"""Unit tests of common.py, bad input included."""
+import gzip
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import common
+import workers
+
+TESTS = Path(__file__).resolve().parent
+
+
+# ------------------------------------------------------------------ devices
+
+def test_try_gpu_falls_back_to_cpu(monkeypatch):
+    monkeypatch.setattr(common, 'num_gpus', lambda: 0)
+    assert common.try_gpu() == torch.device('cpu')
+    assert common.try_gpu(3) == torch.device('cpu')
+    assert common.try_all_gpus() == [torch.device('cpu')]
+
+
+def test_try_gpu_uses_gpus_that_exist(monkeypatch):
+    monkeypatch.setattr(common, 'num_gpus', lambda: 2)
+    assert common.try_gpu(1) == torch.device('cuda:1')
+    assert common.try_gpu(2) == torch.device('cpu')
+    assert common.try_all_gpus() == [torch.device('cuda:0'), torch.device('cuda:1')]
+
+
+@pytest.mark.parametrize('bad', [-1, 1.5, '0', True])
+def test_impossible_device_index_is_refused(bad):
+    with pytest.raises(ValueError, match='whole number'):
+        common.try_gpu(bad)
+
+
+def test_gpu_that_does_not_exist_gives_clear_error(monkeypatch):
+    monkeypatch.setattr(common, 'num_gpus', lambda: 1)
+    with pytest.raises(RuntimeError, match=r'cuda:3 was requested, but this machine has 1 GPU'):
+        common.gpu(3)
+    assert common.gpu(0) == torch.device('cuda:0')
+
+
+@pytest.mark.parametrize('gpus,env,tier', [
+    (0, {}, 'T0'), (1, {}, 'T1'), (4, {}, 'T2'),
+    (2, {'WORLD_SIZE': '4', 'LOCAL_WORLD_SIZE': '2'}, 'T3'),
+])
+def test_detect_tier(monkeypatch, gpus, env, tier):
+    monkeypatch.setattr(common, 'num_gpus', lambda: gpus)
+    for key in ('WORLD_SIZE', 'LOCAL_WORLD_SIZE'):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert common.detect_tier() == tier
+
+
+def test_environment_report_names_tier_and_data(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(common, 'num_gpus', lambda: 0)
+    monkeypatch.setattr(common, 'DEBIAN_DIR', tmp_path / 'none')
+    info = common.environment_report(data_root=tmp_path)
+    out = capsys.readouterr().out
+    assert info['tier'] == 'T0' and 'T0: CPU only' in out
+    assert 'NOT FOUND' in out
+
+
+def test_environment_report_speaks_chinese_in_zh_folder(monkeypatch, tmp_path, capsys):
+    folder = tmp_path / 'notebooks' / 'zh'
+    folder.mkdir(parents=True)
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv('COURSE_LANG', raising=False)
+    monkeypatch.setattr(common, 'num_gpus', lambda: 0)
+    common.environment_report()
+    assert '档位' in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------- settings
+
+def test_settings_pick_tier_and_fall_back(monkeypatch, capsys):
+    monkeypatch.delenv(common.SETTINGS_ENV, raising=False)
+    monkeypatch.setattr(common, 'num_gpus', lambda: 4)
+    cfg = common.settings(T0=dict(epochs=1), T1=dict(epochs=5))
+    assert (cfg.tier, cfg.epochs) == ('T2', 5)  # no T2 entry: falls back to T1
+    assert 'tier T2' in capsys.readouterr().out
+
+
+def test_settings_override_by_environment(monkeypatch, capsys):
+    monkeypatch.setattr(common, 'num_gpus', lambda: 1)
+    monkeypatch.setenv(common.SETTINGS_ENV, 'T0, epochs=3, name=fast')
+    cfg = common.settings(T0=dict(epochs=1, name='x', lr=0.1), T1=dict(epochs=9, name='y', lr=0.2))
+    assert (cfg.tier, cfg.epochs, cfg.name, cfg.lr) == ('T0', 3, 'fast', 0.1)
+    assert "epochs=3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('value,message', [('T9', 'neither a tier'), ('epoch=3', 'unknown setting')])
+def test_settings_bad_override_is_explained(monkeypatch, value, message):
+    monkeypatch.setenv(common.SETTINGS_ENV, value)
+    with pytest.raises(ValueError, match=message):
+        common.settings(T0=dict(epochs=1))
+
+
+def test_settings_need_t0():
+    with pytest.raises(ValueError, match='T0'):
+        common.settings(T1=dict(epochs=1))
+
+
+# ------------------------------------------------------------------- timing
+
+def test_timer_records_times():
+    timer = common.Timer()
+    time.sleep(0.01)
+    first = timer.stop()
+    timer.start()
+    time.sleep(0.02)
+    timer.stop()
+    assert first >= 0.01 and timer.sum() >= 0.03
+    assert timer.cumsum()[-1] == pytest.approx(timer.sum())
+    assert timer.avg() == pytest.approx(timer.sum() / 2)
+
+
+def test_benchmark_times_block(capsys):
+    with common.Benchmark('nap') as bench:
+        time.sleep(0.02)
+    assert bench.elapsed >= 0.02
+    assert capsys.readouterr().out.startswith('nap: ')
+
+
+def test_measure_reports_median_not_first_call():
+    calls = []
+
+    def slow_first(x):
+        calls.append(x)
+        time.sleep(0.2 if len(calls) == 1 else 0.001)
+
+    median = common.measure(slow_first, 1, min_run_time=0.05)
+    assert len(calls) > 3
+    assert 0.001 <= median < 0.1  # the 0.2 s first call is the warm-up, not measured
+
+
+# --------------------------------------------------------------------- data
+
+def _write_idx(path, array):
+    header = bytes([0, 0, 8, array.ndim]) + b''.join(d.to_bytes(4, 'big') for d in array.shape)
+    with gzip.open(path, 'wb') as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture
+def tiny_fashion(tmp_path, monkeypatch):
+    """A fake Fashion-MNIST in tmp/fashion-mnist: 20 training and 10 test images."""
+    monkeypatch.setattr(common, 'DEBIAN_DIR', tmp_path / 'no-debian')
+    common._ARRAYS.clear()
+    folder = tmp_path / 'fashion-mnist'
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (('train', 20), ('test', 10)):
+        images, labels = common.FASHION_FILES[split]
+        _write_idx(folder / f'{images}.gz', rng.integers(0, 256, (n, 28, 28)))
+        _write_idx(folder / f'{labels}.gz', np.arange(n) % 10)
+    yield tmp_path
+    common._ARRAYS.clear()
+
+
+def test_loader_reads_idx_files(tiny_fashion):
+    train_iter, test_iter = common.load_data_fashion_mnist(4, root=tiny_fashion, download=False)
+    X, y = next(iter(test_iter))
+    assert X.shape == (4, 1, 28, 28) and X.dtype == torch.float32
+    assert 0 <= X.min() and X.max() <= 1
+    assert y.tolist() == [0, 1, 2, 3]
+    assert len(train_iter.dataset) == 20 and train_iter.num_workers == 0
+
+
+def test_loader_resizes_and_subsets(tiny_fashion):
+    train_iter, _ = common.load_data_fashion_mnist(5, resize=32, subset=7, root=tiny_fashion,
+                                                   download=False, num_workers=0)
+    X, _ = next(iter(train_iter))
+    assert X.shape == (5, 1, 32, 32)
+    assert len(train_iter.dataset) == 7
+
+
+def test_loader_refuses_impossible_subset(tiny_fashion):
+    with pytest.raises(ValueError, match='subset must be between 1 and 20'):
+        common.load_data_fashion_mnist(4, subset=21, root=tiny_fashion, download=False)
+
+
+def test_incomplete_folder_is_not_accepted(tiny_fashion):
+    (tiny_fashion / 'fashion-mnist' / 't10k-labels-idx1-ubyte.gz').unlink()
+    with pytest.raises(FileNotFoundError):
+        common.find_fashion_mnist(tiny_fashion, download=False)
+
+
+def test_missing_data_message_names_three_ways(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, 'DEBIAN_DIR', tmp_path / 'no-debian')
+    with pytest.raises(FileNotFoundError) as info:
+        common.load_data_fashion_mnist(8, root=tmp_path, download=False)
+    message = str(info.value)
+    assert 'apt-get install dataset-fashion-mnist' in message
+    assert str(tmp_path / 'fashion-mnist') in message
+    assert 'download=True' in message
+
+
+def test_failed_download_stops_within_seconds(tmp_path, monkeypatch):
+    import torchvision
+    monkeypatch.setattr(common, 'DEBIAN_DIR', tmp_path / 'no-debian')
+    # A closed port on this machine: the download fails at once, as with no network.
+    monkeypatch.setattr(torchvision.datasets.FashionMNIST, 'mirrors', ['http://127.0.0.1:9/'])
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match='could not be downloaded'):
+        common.find_fashion_mnist(tmp_path, download=True, timeout=5)
+    assert time.monotonic() - start < 30
+
+
+def test_real_fashion_mnist_when_installed():
+    try:
+        folder = common.find_fashion_mnist(download=False)
+    except FileNotFoundError:
+        if os.environ.get('CI'):
+            raise  # CI installs the data: missing there is a set-up bug
+        pytest.skip('Fashion-MNIST is not installed on this machine')
+    common._ARRAYS.clear()
+    train, test = common.fashion_mnist_datasets()
+    assert (len(train), len(test)) == (60000, 10000)
+    assert sorted(test.tensors[1].unique().tolist()) == list(range(10))
+    assert folder.is_dir()
+
+
+# ----------------------------------------------------------------- training
+
+def test_accuracy_and_evaluate_accuracy():
+    y = torch.tensor([0, 1, 2, 3])
+    logits = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 0]), 4).float()
+    assert common.accuracy(logits, y) == 3
+    assert common.accuracy(torch.tensor([0, 1, 0, 3]), y) == 3
+    data = [(logits[:2], y[:2]), (logits[2:], y[2:])]
+    assert common.evaluate_accuracy(torch.nn.Identity(), data, 'cpu') == 0.75
+
+
+def test_animator_collects_points_outside_a_notebook():
+    anim = common.Animator(xlabel='epoch', legend=['loss', 'acc'])
+    for epoch in range(3):
+        anim.add(epoch, [1.0 / (epoch + 1), None if epoch == 0 else 0.5])
+    assert anim.X == [[0, 1, 2], [1, 2]]
+    assert len(anim.ax.get_lines()) == 2
+    with pytest.raises(ValueError, match='expected 2'):
+        anim.add(3, [1.0])
+
+
+# --------------------------------------------------------- worker processes
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_until(condition, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_launch_runs_real_process_group():
+    assert common.launch(workers.rank_and_world, 2, backend='gloo') == [
+        (0, 2, 0, 2, '0'), (1, 2, 1, 2, '1')]
+    assert common.launch(common.allreduce_check, 3) == [6.0, 6.0, 6.0]
+
+
+def test_worker_exception_is_reraised_with_traceback():
+    with pytest.raises(ZeroDivisionError, match='on purpose') as info:
+        common.launch(workers.fail_on_rank_one, 2, timeout=60)
+    remote = str(info.value.__cause__)
+    assert 'worker rank 1' in remote and 'fail_on_rank_one' in remote
+
+
+def test_worker_that_dies_is_named():
+    with pytest.raises(common.WorkerError, match='rank 0 exited with code 7'):
+        common.launch(workers.die_hard, 2, timeout=60)
+
+
+def test_hanging_worker_times_out_and_leaves_no_process(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r'rank\(s\) \[0, 1\] did not finish within 4 s'):
+        common.launch(workers.report_pid_then_hang, 2, str(tmp_path), timeout=4)
+    assert time.monotonic() - start < 30
+    pids = [int(p.read_text()) for p in tmp_path.glob('*.pid')]
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def test_bad_launch_requests_are_refused():
+    with pytest.raises(ValueError, match='world_size'):
+        common.launch(common.allreduce_check, 0)
+    with pytest.raises(ValueError, match='nccl needs one GPU per process'):
+        common.launch(common.allreduce_check, common.num_gpus() + 1, backend='nccl')
+    with pytest.raises(ValueError, match='backend must be one of'):
+        common.launch(common.allreduce_check, 2, backend='carrier-pigeon')
+
+    def local(rank, world_size):
+        return rank
+    local.__module__ = '__main__'  # as if defined in a notebook
+    with pytest.raises(ValueError, match='defined in the notebook'):
+        common.launch(local, 2)
+
+
+@pytest.mark.parametrize('how', ['interrupt', 'kill'])
+def test_no_orphans_when_launcher_is_interrupted_or_killed(tmp_path, how):
+    code = (f'import sys; sys.path.insert(0, {str(TESTS)!r})\n'
+            'import common, workers\n'
+            f'common.launch(workers.report_pid_then_hang, 2, {str(tmp_path)!r}, timeout=600)\n')
+    parent = subprocess.Popen([sys.executable, '-c', code], stderr=subprocess.PIPE)
+    try:
+        assert _wait_until(lambda: len(list(tmp_path.glob('*.pid'))) == 2, 60), 'workers did not start'
+        pids = [int(p.read_text()) for p in tmp_path.glob('*.pid')]
+        parent.send_signal(signal.SIGINT if how == 'interrupt' else signal.SIGKILL)
+        parent.wait(30)
+        assert _wait_until(lambda: not any(_alive(pid) for pid in pids), 15), \
+            f'workers {pids} outlived their launcher ({how})'
+    finally:
+        parent.kill()
+        parent.wait()

@@ -1,0 +1,98 @@
+"""The en/zh pairs: same program, real translations, outputs of one clean run."""
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / 'tools'))
+import nbpair  # noqa: E402
+
+EN, ZH = ROOT / 'notebooks' / 'en', ROOT / 'notebooks' / 'zh'
+CJK = re.compile(r'[\u3000-\u303f\u3400-\u9fff\uf900-\ufaff\uff00-\uffef]')
+NAMES = sorted(p.name for p in EN.glob('*.ipynb'))
+REQUIRED = ['00-start-here.ipynb', '01-compilers-and-interpreters.ipynb']
+
+
+def load(path):
+    return nbformat.read(path, as_version=4)
+
+
+def prose(markdown):
+    """Markdown without code blocks, inline code, link targets, HTML tags and math."""
+    text = re.sub(r'```.*?```', ' ', markdown, flags=re.S)
+    text = re.sub(r'`[^`]*`', ' ', text)
+    text = re.sub(r'\]\([^)]*\)', ']', text)
+    text = re.sub(r'<[^>]+>', ' ', text)
+    return re.sub(r'\$[^$]*\$', ' ', text)
+
+
+def test_every_section_has_both_languages():
+    assert set(REQUIRED) <= set(NAMES)
+    assert NAMES == sorted(p.name for p in ZH.glob('*.ipynb'))
+    sources = sorted(p.stem + '.ipynb' for p in (ROOT / 'notebooks' / 'src').glob('*.txt'))
+    assert sources == NAMES, 'every pair is built from notebooks/src/<name>.txt'
+
+
+def test_notebooks_match_their_bilingual_source():
+    problems = [p for src in nbpair.sources() for p in nbpair.mismatches(src)]
+    assert not problems, 'rebuild with: python tools/nbpair.py build <src>\n' + '\n'.join(problems)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_same_program_in_both_languages(name):
+    en, zh = load(EN / name), load(ZH / name)
+    assert [c.cell_type for c in en.cells] == [c.cell_type for c in zh.cells]
+    for i, (a, b) in enumerate(zip(en.cells, zh.cells)):
+        assert a.metadata.get('tags', []) == b.metadata.get('tags', []), f'cell {i}: tags differ'
+        if a.cell_type == 'code':
+            assert nbpair.strip_comments(a.source) == nbpair.strip_comments(b.source), \
+                f'code cell {i} differs beyond comments'
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_english_notebook_has_no_cjk(name):
+    for i, cell in enumerate(load(EN / name).cells):
+        texts = [cell.source] + [str(o.get('text', '')) + str(o.get('data', {}).get('text/plain', ''))
+                                 for o in cell.get('outputs', [])]
+        found = CJK.findall(''.join(texts))
+        assert not found, f'cell {i} contains CJK: {"".join(found[:10])}'
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_chinese_markdown_is_chinese_and_complete(name):
+    en, zh = load(EN / name), load(ZH / name)
+    for i, (a, b) in enumerate(zip(en.cells, zh.cells)):
+        if a.cell_type != 'markdown':
+            continue
+        en_text, zh_text = prose(a.source), prose(b.source)
+        if len(re.findall(r'[A-Za-z]{3,}', en_text)) >= 5:
+            assert CJK.search(zh_text), f'markdown cell {i} of zh/{name} has no Chinese'
+            # Chinese takes roughly a third of the characters of English; far less is a summary.
+            assert len(zh_text) >= 0.2 * len(en_text), f'markdown cell {i} looks summarised'
+        for pattern in (r'^#+ ', r'<details>', r'^\s*[*\d]+[.)]? ', r'^\|'):
+            assert len(re.findall(pattern, a.source, re.M)) == len(re.findall(pattern, b.source, re.M)), \
+                f'markdown cell {i}: structure ({pattern}) differs between en and zh'
+
+
+@pytest.mark.parametrize('lang', ['en', 'zh'])
+@pytest.mark.parametrize('name', NAMES)
+def test_outputs_come_from_one_clean_run(name, lang):
+    nb = load(ROOT / 'notebooks' / lang / name)
+    code = [c for c in nb.cells if c.cell_type == 'code']
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), \
+        're-execute the notebook top to bottom (python tools/nbpair.py build ...)'
+    for c in code:
+        assert not [o for o in c.outputs if o.output_type == 'error'], f'stored error in: {c.source[:60]}'
+
+
+@pytest.mark.parametrize('lang,other', [('en', 'zh'), ('zh', 'en')])
+@pytest.mark.parametrize('name', NAMES)
+def test_navigation_line_top_and_bottom(name, lang, other):
+    md = [c.source for c in load(ROOT / 'notebooks' / lang / name).cells if c.cell_type == 'markdown']
+    for where, text in (('top', md[0].splitlines()[0]), ('bottom', md[-1].splitlines()[-1])):
+        assert f'](../{other}/{name})' in text, f'{where} navigation line lacks the {other} link'
+        for target in re.findall(r'\]\(([^)#]+\.ipynb)', text):
+            assert (ROOT / 'notebooks' / lang / target).resolve().exists(), f'broken link {target}'
