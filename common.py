@@ -550,16 +550,14 @@ def _worker_main(rank, world_size, port, backend, threads, fn, args, results, pa
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR='127.0.0.1',
                       MASTER_PORT=str(port))
     torch.set_num_threads(threads)
+    joined = False
     try:
         if backend == 'nccl':
             torch.cuda.set_device(rank)
         store = dist.TCPStore('127.0.0.1', port, world_size + 1, is_master=False)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, 'ok', value))
+        joined = True
+        outcome = (rank, 'ok', fn(rank, world_size, *args))
     except BaseException as e:
         tb = traceback.format_exc()
         try:
@@ -567,7 +565,15 @@ def _worker_main(rank, world_size, port, backend, threads, fn, args, results, pa
             exc = e
         except Exception:
             exc = None
-        results.put((rank, 'error', (exc, tb)))
+        outcome = (rank, 'error', (exc, tb, time.time()))
+    # Report before leaving the group: leaving makes peers fail, and their
+    # secondary errors must not arrive ahead of this one.
+    results.put(outcome)
+    if joined:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 def launch(fn, world_size, *args, backend=None, timeout=120, threads=None):
@@ -627,6 +633,26 @@ def allreduce_check(rank, world_size):
     return t.item()
 
 
+def _raise_first_error(rank, payload, results, grace=1.0):
+    # Peers of a failed worker fail too (connection closed): wait a moment for
+    # their reports and raise the error that happened first, the root cause.
+    import queue
+    errors = [(payload[2], rank, payload)]
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            r, status, p = results.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if status == 'error':
+            errors.append((p[2], r, p))
+    _, rank, (exc, tb, _) = min(errors, key=lambda e: e[0])
+    remote = _RemoteTraceback(f'\n--- worker rank {rank} ---\n{tb}')
+    if exc is None:
+        raise WorkerError(f'worker rank {rank} failed:\n{tb}')
+    raise exc from remote
+
+
 def _collect(procs, results, timeout):
     import queue
     deadline = time.monotonic() + timeout
@@ -650,10 +676,6 @@ def _collect(procs, results, timeout):
                                    f'{timeout} s; all workers were stopped.')
             continue
         if status == 'error':
-            exc, tb = payload
-            remote = _RemoteTraceback(f'\n--- worker rank {rank} ---\n{tb}')
-            if exc is None:
-                raise WorkerError(f'worker rank {rank} failed:\n{tb}')
-            raise exc from remote
+            _raise_first_error(rank, payload, results)
         done[rank] = payload
     return [done[r] for r in range(len(procs))]
