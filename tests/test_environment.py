@@ -18,10 +18,12 @@ def test_common_is_installed_not_found_by_accident(tmp_path):
 def test_common_under_torchrun(tmp_path):
     script = tmp_path / 'job.py'
     script.write_text(
+        'import os\n'
         'import torch.distributed as dist\n'
         'import common\n'
         "dist.init_process_group('gloo')\n"
-        "print('sum', common.allreduce_check(dist.get_rank(), dist.get_world_size()))\n"
+        'total = common.allreduce_check(dist.get_rank(), dist.get_world_size())\n'
+        "os.write(1, f'sum {total}\\n'.encode())  # one write: lines of two ranks cannot interleave\n"
         'dist.destroy_process_group()\n')
     out = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
                           '--nproc_per_node=2', str(script)],
