@@ -250,11 +250,15 @@ class Timer:
 
 
 class Benchmark:
-    """Context manager that times its block, synchronising the device at both ends."""
+    """Context manager that times its block, synchronising the device at both ends.
 
-    def __init__(self, description='Done', device=None, verbose=True):
+    sync=False stops the clock without waiting for queued GPU work: it then
+    measures how long it took to *submit* the work (notebook 02 shows why).
+    """
+
+    def __init__(self, description='Done', device=None, verbose=True, sync=True):
         self.description, self.device, self.verbose = description, device, verbose
-        self.elapsed = None
+        self.sync, self.elapsed = sync, None
 
     def __enter__(self):
         synchronize(self.device)
@@ -262,7 +266,8 @@ class Benchmark:
         return self
 
     def __exit__(self, *exc):
-        synchronize(self.device)
+        if self.sync:
+            synchronize(self.device)
         self.elapsed = self.timer.stop()
         if self.verbose and exc[0] is None:
             print(f'{self.description}: {self.elapsed:.4f} sec')
@@ -279,6 +284,34 @@ def measure(fn, *args, min_run_time=0.2):
     timer = benchmark.Timer(stmt='fn(*args)', globals={'fn': fn, 'args': args},
                             num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def plot_timeline(spans, lanes=None, ax=None, title=None, unit='ms'):
+    """Draw (lane, start, end, label) spans as a timeline, one row per lane; return ax.
+
+    Times are in seconds and drawn in `unit` ('s', 'ms' or 'us').
+    """
+    import matplotlib.pyplot as plt
+    scale = {'s': 1, 'ms': 1e3, 'us': 1e6}[unit]
+    lanes = list(lanes or dict.fromkeys(lane for lane, *_ in spans))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.6 + 0.45 * len(lanes)))
+    colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
+    for lane, start, end, label in spans:
+        row = lanes.index(lane)
+        width = (end - start) * scale
+        ax.broken_barh([(start * scale, width)], (row - 0.38, 0.76),
+                       facecolors=colors[row % len(colors)], edgecolor='white', linewidth=0.5)
+        if label:
+            ax.text(start * scale + width / 2, row, label, ha='center', va='center',
+                    fontsize=7, clip_on=True)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel(f'time ({unit})')
+    ax.grid(True, axis='x', alpha=0.3)
+    if title:
+        ax.set_title(title)
+    return ax
 
 
 # -------------------------------------------------------------------- data

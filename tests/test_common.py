@@ -130,6 +130,22 @@ def test_benchmark_times_block(capsys):
     assert capsys.readouterr().out.startswith('nap: ')
 
 
+def test_benchmark_without_sync_still_times_cpu_work():
+    with common.Benchmark(verbose=False, sync=False) as bench:
+        time.sleep(0.01)
+    assert bench.elapsed >= 0.01
+
+
+def test_plot_timeline_draws_one_row_per_lane():
+    spans = [('front end', 0.0, 0.001, 'a'), ('back end', 0.001, 0.004, 'b'),
+             ('front end', 0.002, 0.003, 'c')]
+    ax = common.plot_timeline(spans, unit='ms', title='t')
+    assert [t.get_text() for t in ax.get_yticklabels()] == ['front end', 'back end']
+    assert len(ax.collections) == 3
+    bar = ax.collections[1].get_paths()[0].get_extents()
+    assert (bar.x0, bar.x1) == pytest.approx((1.0, 4.0))  # seconds drawn in milliseconds
+
+
 def test_measure_reports_median_not_first_call():
     calls = []
 
