@@ -214,9 +214,11 @@ def settings(**per_tier):
 
 
 def synchronize(device=None):
-    """Wait until every queued kernel on a CUDA device has finished (no-op on the CPU)."""
-    device = torch.device(device) if device is not None else None
-    if torch.cuda.is_available() and (device is None or device.type == 'cuda'):
+    """Wait for queued kernels on a CUDA device, or on every GPU when device is None (no-op on the CPU)."""
+    if device is None:
+        for i in range(num_gpus()):
+            torch.cuda.synchronize(i)
+    elif torch.device(device).type == 'cuda':
         torch.cuda.synchronize(device)
 
 
@@ -284,6 +286,23 @@ def measure(fn, *args, min_run_time=0.2):
     timer = benchmark.Timer(stmt='fn(*args)', globals={'fn': fn, 'args': args},
                             num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+class quiet_native_stderr:
+    """Context manager: silence what C++ libraries (e.g. the profiler's kineto) print to fd 2."""
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        return self
+
+    def __exit__(self, *exc):
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
 
 
 def plot_timeline(spans, lanes=None, ax=None, title=None, unit='ms'):

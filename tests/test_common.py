@@ -136,6 +136,15 @@ def test_benchmark_without_sync_still_times_cpu_work():
     assert bench.elapsed >= 0.01
 
 
+def test_quiet_native_stderr_hides_fd2_then_restores_it(tmp_path):
+    code = ('import os, common\n'
+            'with common.quiet_native_stderr():\n'
+            '    os.write(2, b"hidden\\n")\n'
+            'os.write(2, b"shown\\n")\n')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, timeout=60)
+    assert out.stderr.decode().splitlines()[-1] == 'shown' and b'hidden' not in out.stderr
+
+
 def test_plot_timeline_draws_one_row_per_lane():
     spans = [('front end', 0.0, 0.001, 'a'), ('back end', 0.001, 0.004, 'b'),
              ('front end', 0.002, 0.003, 'c')]
