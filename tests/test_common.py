@@ -337,15 +337,23 @@ def test_bad_launch_requests_are_refused():
 
 @pytest.mark.parametrize('how', ['interrupt', 'kill'])
 def test_no_orphans_when_launcher_is_interrupted_or_killed(tmp_path, how):
-    code = (f'import sys; sys.path.insert(0, {str(TESTS)!r})\n'
+    # The launcher runs in its own process, as a notebook kernel would. If it ever hangs,
+    # faulthandler writes every thread's stack to its stderr file, which the failure shows.
+    code = (f'import sys, faulthandler; sys.path.insert(0, {str(TESTS)!r})\n'
+            'faulthandler.dump_traceback_later(20, exit=False)\n'
             'import common, workers\n'
             f'common.launch(workers.report_pid_then_hang, 2, {str(tmp_path)!r}, timeout=600)\n')
-    parent = subprocess.Popen([sys.executable, '-c', code], stderr=subprocess.PIPE)
+    log = tmp_path / 'launcher.stderr'
+    with open(log, 'w') as stderr:
+        parent = subprocess.Popen([sys.executable, '-c', code], stderr=stderr)
     try:
         assert _wait_until(lambda: len(list(tmp_path.glob('*.pid'))) == 2, 60), 'workers did not start'
         pids = [int(p.read_text()) for p in tmp_path.glob('*.pid')]
         parent.send_signal(signal.SIGINT if how == 'interrupt' else signal.SIGKILL)
-        parent.wait(30)
+        try:
+            parent.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f'launcher did not exit after {how}:\n{log.read_text()[-4000:]}')
         assert _wait_until(lambda: not any(_alive(pid) for pid in pids), 15), \
             f'workers {pids} outlived their launcher ({how})'
     finally:
