@@ -569,6 +569,117 @@ class Animator:
                 self._handle.update(self.fig)
 
 
+# -------------------------------------------- data parallelism by hand (05-07)
+
+LENET_SHAPES = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
+
+
+def lenet_params(seed=0):
+    """LeNet parameters [W1, b1, W2, b2, W3, b3, W4, b4]: He-initialised weights, zero biases."""
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in LENET_SHAPES:
+        fan_in = int(np.prod(shape[1:])) if len(shape) == 4 else shape[0]
+        params.append(torch.zeros(shape) if len(shape) == 1
+                      else torch.randn(shape, generator=gen) * (2 / fan_in) ** 0.5)
+    return params
+
+
+def lenet(X, params):
+    """LeNet on raw tensors: conv(3×3)-ReLU-avgpool, conv(5×5)-ReLU-avgpool, dense-ReLU, dense."""
+    F = torch.nn.functional
+    h = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), kernel_size=2)
+    h = F.avg_pool2d(F.relu(F.conv2d(h, params[2], params[3])), kernel_size=2)
+    h = F.relu(h.reshape(h.shape[0], -1) @ params[4] + params[5])
+    return h @ params[6] + params[7]
+
+
+def get_params(params, device):
+    """Copies of `params` on `device` that record gradients (always copies, even on the same device)."""
+    return [p.detach().to(device, copy=True).requires_grad_() for p in params]
+
+
+def allreduce(data):
+    """Sum tensors that live on several devices; afterwards every one holds the sum.
+
+    The naive way: add everything into data[0] on its device, then copy it back out.
+    """
+    for i in range(1, len(data)):
+        data[0][:] += data[i].to(data[0].device)
+    for i in range(1, len(data)):
+        data[i][:] = data[0].to(data[i].device)
+
+
+def split_batch(X, y, devices):
+    """Split a minibatch over devices: shard sizes differ by at most one example."""
+    if X.shape[0] != y.shape[0]:
+        raise ValueError(f'X has {X.shape[0]} examples but y has {y.shape[0]}: they must match.')
+    if X.shape[0] < len(devices):
+        raise ValueError(f'cannot split {X.shape[0]} examples over {len(devices)} devices: each '
+                         'needs at least one. Use a larger batch or fewer devices.')
+    return ([x.to(d) for x, d in zip(torch.tensor_split(X, len(devices)), devices)],
+            [t.to(d) for t, d in zip(torch.tensor_split(y, len(devices)), devices)])
+
+
+def sgd(params, lr, batch_size):
+    """One SGD step in place, for gradients summed over `batch_size` examples; zero the gradients."""
+    with torch.no_grad():
+        for p in params:
+            p -= lr * p.grad / batch_size
+            p.grad.zero_()
+
+
+def train_batch(X, y, device_params, devices, lr):
+    """One data-parallel step: split the batch, backprop on each replica, allreduce, update."""
+    X_shards, y_shards = split_batch(X, y, devices)
+    for X_shard, y_shard, params in zip(X_shards, y_shards, device_params):
+        torch.nn.functional.cross_entropy(lenet(X_shard, params), y_shard, reduction='sum').backward()
+    with torch.no_grad():
+        for i in range(len(device_params[0])):
+            allreduce([params[i].grad for params in device_params])
+    for params in device_params:
+        sgd(params, lr, X.shape[0])  # the whole minibatch's size: gradients are sums over all of it
+
+
+def replica_devices(k):
+    """Devices for k replicas: k distinct GPUs if the machine has them, else k times the best one."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f'the number of replicas must be a whole number >= 1, got {k!r}.')
+    return [torch.device(f'cuda:{i}') for i in range(k)] if num_gpus() >= k else [try_gpu()] * k
+
+
+def dp_worker(rank, world_size, run):
+    """Worker for launch(): data-parallel LeNet training, gradients summed with dist.all_reduce.
+
+    `run` is a dict with batch_size (global), lr, steps, and optionally seed and subset.
+    Every rank walks the same shuffled global batches and trains on its slice of each.
+    Returns throughput and a checksum of the parameters (rank 0 also returns them).
+    """
+    import torch.distributed as dist
+    batch_size, lr, steps = run['batch_size'], run['lr'], run['steps']
+    seed, subset = run.get('seed', 0), run.get('subset')
+    device = torch.device(f'cuda:{rank}') if dist.get_backend() == 'nccl' else torch.device('cpu')
+    X_all, y_all = fashion_mnist_datasets(subset=subset, download=False)[0].tensors
+    order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(seed))
+    params = get_params(lenet_params(seed), device)
+    dist.barrier()
+    start = time.perf_counter()
+    for step in range(steps):
+        batch = order[(step * batch_size) % len(order):][:batch_size]
+        mine = torch.tensor_split(batch, world_size)[rank]
+        X, y = X_all[mine].to(device), y_all[mine].to(device)
+        torch.nn.functional.cross_entropy(lenet(X, params), y, reduction='sum').backward()
+        for p in params:
+            dist.all_reduce(p.grad)
+        sgd(params, lr, len(batch))
+    synchronize(device)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    return {'images_per_s': steps * batch_size / elapsed, 'seconds': elapsed,
+            'checksum': float(sum(p.detach().double().sum() for p in params)),
+            'params': [p.detach().cpu() for p in params] if rank == 0 else None}
+
+
 # ---------------------------------------------------------- worker processes
 
 
@@ -619,8 +730,15 @@ def _worker_main(rank, world_size, port, backend, threads, fn, args, results, pa
             exc = None
         outcome = (rank, 'error', (exc, tb, time.time()))
     # Report before leaving the group: leaving makes peers fail, and their
-    # secondary errors must not arrive ahead of this one.
-    results.put(outcome)
+    # secondary errors must not arrive ahead of this one. Plain pickle copies
+    # tensors by value (torch's queue would share them through this process,
+    # which is about to exit).
+    try:
+        message = pickle.dumps(outcome)
+    except Exception:
+        message = pickle.dumps((rank, 'error', (None, f'result of rank {rank} cannot be pickled:\n'
+                                                   f'{traceback.format_exc()}', time.time())))
+    results.put(message)
     if joined:
         try:
             dist.destroy_process_group()
@@ -688,12 +806,13 @@ def allreduce_check(rank, world_size):
 def _raise_first_error(rank, payload, results, grace=1.0):
     # Peers of a failed worker fail too (connection closed): wait a moment for
     # their reports and raise the error that happened first, the root cause.
+    import pickle
     import queue
     errors = [(payload[2], rank, payload)]
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         try:
-            r, status, p = results.get(timeout=max(0.01, deadline - time.monotonic()))
+            r, status, p = pickle.loads(results.get(timeout=max(0.01, deadline - time.monotonic())))
         except queue.Empty:
             break
         if status == 'error':
@@ -706,12 +825,13 @@ def _raise_first_error(rank, payload, results, grace=1.0):
 
 
 def _collect(procs, results, timeout):
+    import pickle
     import queue
     deadline = time.monotonic() + timeout
     done = {}
     while len(done) < len(procs):
         try:
-            rank, status, payload = results.get(timeout=0.2)
+            rank, status, payload = pickle.loads(results.get(timeout=0.2))
         except queue.Empty:
             dead = [r for r, p in enumerate(procs)
                     if r not in done and p.exitcode is not None]

@@ -299,6 +299,11 @@ def test_launch_runs_real_process_group():
     assert common.launch(common.allreduce_check, 3) == [6.0, 6.0, 6.0]
 
 
+def test_workers_can_return_tensors_that_outlive_them():
+    out = common.launch(workers.return_tensor, 2)
+    assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3]
+
+
 def test_worker_exception_is_reraised_with_traceback():
     with pytest.raises(ZeroDivisionError, match='on purpose') as info:
         common.launch(workers.fail_on_rank_one, 2, timeout=60)
@@ -359,3 +364,69 @@ def test_no_orphans_when_launcher_is_interrupted_or_killed(tmp_path, how):
     finally:
         parent.kill()
         parent.wait()
+
+
+# ---------------------------------------------------- data parallelism by hand
+
+def test_get_params_copies_even_on_the_same_device():
+    params = common.lenet_params(seed=1)
+    copy = common.get_params(params, 'cpu')
+    with torch.no_grad():
+        copy[0].add_(1.0)
+    assert not torch.equal(copy[0], params[0]) and copy[0].requires_grad
+
+
+def test_allreduce_leaves_the_sum_everywhere():
+    data = [torch.full((2, 3), float(i + 1)) for i in range(3)]
+    common.allreduce(data)
+    assert all(torch.equal(t, torch.full((2, 3), 6.0)) for t in data)
+
+
+def test_split_batch_uneven_and_bad_input():
+    X, y = torch.arange(14).reshape(7, 2), torch.arange(7)
+    xs, ys = common.split_batch(X, y, ['cpu'] * 3)
+    assert [len(s) for s in xs] == [3, 2, 2] and torch.equal(torch.cat(ys), y)
+    with pytest.raises(ValueError, match='X has 7 examples but y has 6'):
+        common.split_batch(X, y[:6], ['cpu'] * 2)
+    with pytest.raises(ValueError, match='cannot split 2 examples over 3 devices'):
+        common.split_batch(X[:2], y[:2], ['cpu'] * 3)
+
+
+@pytest.mark.parametrize('k', [2, 3])
+def test_data_parallel_step_equals_single_device_step(k):
+    torch.manual_seed(0)
+    X, y = torch.rand(10, 1, 28, 28), torch.randint(0, 10, (10,))
+    params = common.lenet_params(seed=2)
+    replicas = [common.get_params(params, 'cpu') for _ in range(k)]
+    single = [common.get_params(params, 'cpu')]
+    common.train_batch(X, y, replicas, ['cpu'] * k, lr=0.5)
+    common.train_batch(X, y, single, ['cpu'], lr=0.5)
+    for i, reference in enumerate(single[0]):
+        assert not torch.equal(reference, params[i]) or i in (1, 3)  # the step changed the weights
+        for replica in replicas:
+            torch.testing.assert_close(replica[i], reference, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(r[i], replicas[0][i]) for r in replicas)
+
+
+def test_replica_devices_falls_back_and_refuses_nonsense(monkeypatch):
+    monkeypatch.setattr(common, 'num_gpus', lambda: 1)
+    assert common.replica_devices(2) == [torch.device('cuda:0')] * 2
+    monkeypatch.setattr(common, 'num_gpus', lambda: 0)
+    assert common.replica_devices(3) == [torch.device('cpu')] * 3
+    with pytest.raises(ValueError, match='whole number >= 1'):
+        common.replica_devices(0)
+
+
+def test_dp_worker_ranks_agree_and_match_one_process():
+    try:
+        common.find_fashion_mnist(download=False)
+    except FileNotFoundError:
+        if os.environ.get('CI'):
+            raise
+        pytest.skip('Fashion-MNIST is not installed on this machine')
+    run = dict(batch_size=64, lr=0.2, steps=1, subset=256)
+    two = common.launch(common.dp_worker, 2, run)
+    one = common.launch(common.dp_worker, 1, run)
+    assert two[0]['checksum'] == two[1]['checksum'] and two[1]['params'] is None
+    for a, b in zip(one[0]['params'], two[0]['params']):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
