@@ -344,7 +344,10 @@ def test_bad_launch_requests_are_refused():
 def test_no_orphans_when_launcher_is_interrupted_or_killed(tmp_path, how):
     # The launcher runs in its own process, as a notebook kernel would. If it ever hangs,
     # faulthandler writes every thread's stack to its stderr file, which the failure shows.
-    code = (f'import sys, faulthandler; sys.path.insert(0, {str(TESTS)!r})\n'
+    # A kernel always turns SIGINT into KeyboardInterrupt; a process started from a background
+    # job inherits SIGINT as *ignored*, so the child installs Python's handler explicitly.
+    code = (f'import sys, signal, faulthandler; sys.path.insert(0, {str(TESTS)!r})\n'
+            'signal.signal(signal.SIGINT, signal.default_int_handler)\n'
             'faulthandler.dump_traceback_later(20, exit=False)\n'
             'import common, workers\n'
             f'common.launch(workers.report_pid_then_hang, 2, {str(tmp_path)!r}, timeout=600)\n')
