@@ -680,6 +680,116 @@ def dp_worker(rank, world_size, run):
             'params': [p.detach().cpu() for p in params] if rank == 0 else None}
 
 
+# ----------------------------------------------- concise multi-GPU training (06)
+
+
+class Residual(torch.nn.Module):
+    """A ResNet basic block: two 3×3 convolutions with batch norm, plus a (projected) shortcut."""
+
+    def __init__(self, in_channels, out_channels, stride=1):
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut = nn.Identity() if stride == 1 and in_channels == out_channels else \
+            nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                          nn.BatchNorm2d(out_channels))
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+def resnet18(num_classes=10, width=64, in_channels=1):
+    """ResNet-18 for 28×28 inputs: a 3×3 stem without max-pool, stages of width w, 2w, 4w, 8w."""
+    nn = torch.nn
+    layers = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+    channels = width
+    for stage in range(4):
+        out = width * 2 ** stage
+        layers += [Residual(channels, out, stride=1 if stage == 0 else 2), Residual(out, out)]
+        channels = out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300):
+    """Run `script` with torchrun as `nnodes` launchers on this host; return each launcher's output.
+
+    One node uses --standalone (torchrun picks a free port). Several nodes meet through c10d
+    rendezvous on 127.0.0.1, as separate machines would. A failing script raises RuntimeError
+    with the end of its output; past `timeout` seconds everything is killed and TimeoutError
+    raised. No launcher or worker outlives the call.
+    """
+    import subprocess
+    import tempfile
+    import uuid
+    base = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nproc_per_node}']
+    if nnodes == 1:
+        commands = [base + ['--standalone', str(script), *map(str, args)]]
+    else:
+        rendezvous = [f'--nnodes={nnodes}', '--rdzv-backend=c10d', f'--rdzv-id={uuid.uuid4().hex[:8]}',
+                      f'--rdzv-endpoint=127.0.0.1:{free_port()}']
+        commands = [base + rendezvous + [str(script), *map(str, args)]] * nnodes
+    logs = [tempfile.TemporaryFile(mode='w+') for _ in commands]
+    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=hasattr(os, 'killpg')) for cmd, log in zip(commands, logs)]
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f'torchrun {script} did not finish within {timeout} s; stopped it.')
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+        for node, (p, out) in enumerate(zip(procs, outputs)):
+            if p.returncode:
+                raise RuntimeError(f'torchrun {script} (node {node}) exited with code {p.returncode}:\n'
+                                   + '\n'.join(out.splitlines()[-60:]))
+        return outputs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _stop_tree(p)
+        for log in logs:
+            log.close()
+
+
+def _stop_tree(popen, grace=5):
+    # torchrun starts its workers in sessions of their own: stop the whole tree, not a group.
+    import psutil
+    try:
+        root = psutil.Process(popen.pid)
+        tree = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for proc in tree:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+    popen.wait()
+
+
 # ---------------------------------------------------------- worker processes
 
 

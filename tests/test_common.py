@@ -433,3 +433,43 @@ def test_dp_worker_ranks_agree_and_match_one_process():
     assert two[0]['checksum'] == two[1]['checksum'] and two[1]['params'] is None
     for a, b in zip(one[0]['params'], two[0]['params']):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -------------------------------------------------------------- section 06
+
+def test_resnet18_for_28x28_inputs():
+    narrow, full = common.resnet18(width=8), common.resnet18()
+    assert narrow(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+    count = lambda net: sum(p.numel() for p in net.parameters())  # noqa: E731
+    assert 11_000_000 < count(full) < 11_400_000 and count(full) > 50 * count(narrow)
+
+
+def _script(tmp_path, body):
+    path = tmp_path / 'job.py'
+    path.write_text('import os, sys, time\nimport torch.distributed as dist\n' + body)
+    return path
+
+
+def test_torchrun_two_nodes_meet_on_this_host(tmp_path):
+    job = _script(tmp_path, "dist.init_process_group('gloo')\n"
+                            "print('node', os.environ['GROUP_RANK'], 'rank', dist.get_rank(),"
+                            " 'of', dist.get_world_size(), flush=True)\n"
+                            'dist.barrier()\ndist.destroy_process_group()\n')
+    outputs = common.torchrun(job, nnodes=2, timeout=120)
+    lines = sorted(line for out in outputs for line in out.splitlines() if line.startswith('node'))
+    assert lines == ['node 0 rank 0 of 2', 'node 1 rank 1 of 2']
+
+
+def test_torchrun_failure_raises_with_the_scripts_error(tmp_path):
+    job = _script(tmp_path, "raise SystemExit('the script broke on purpose')\n")
+    with pytest.raises(RuntimeError, match='the script broke on purpose'):
+        common.torchrun(job, nproc_per_node=2, timeout=120)
+
+
+def test_torchrun_timeout_leaves_nothing_behind(tmp_path):
+    job = _script(tmp_path, f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
+                            'time.sleep(600)\n')
+    with pytest.raises(TimeoutError, match='did not finish within 8 s'):
+        common.torchrun(job, nproc_per_node=2, timeout=8)
+    pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    assert len(pids) == 2 and _wait_until(lambda: not any(_alive(pid) for pid in pids), 10)
