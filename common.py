@@ -790,6 +790,65 @@ def _stop_tree(popen, grace=5):
     popen.wait()
 
 
+# ----------------------------------------------------- parameter servers (07)
+
+SYNC_STRATEGIES = ('gpu0', 'cpu', 'split', 'ring')
+
+
+def sync_time(strategy, size_bytes, devices, bandwidth, links=1):
+    """Seconds to sum `size_bytes` of gradients over `devices` and return the sum to all of them.
+
+    bandwidth is bytes/s per link and direction. The strategies:
+      gpu0  - all send to device 0 over its one link, it sends the sum back: 2(n-1)·s/b
+      cpu   - all n send to the CPU over its one link, it sends back: 2n·s/b
+      split - cut into n parts, each summed on a different device at once: 2(n-1)·(s/n)/b
+      ring  - reduce-scatter then all-gather round a ring of `links` parallel rings:
+              2(n-1)/n · s/(links·b), which barely grows with n
+    """
+    n = devices
+    if strategy not in SYNC_STRATEGIES:
+        raise ValueError(f'strategy must be one of {SYNC_STRATEGIES}, got {strategy!r}.')
+    if n < 1 or size_bytes < 0 or bandwidth <= 0 or links < 1:
+        raise ValueError('need devices >= 1, size >= 0, bandwidth > 0 and links >= 1.')
+    one = size_bytes / bandwidth
+    return {'gpu0': 2 * (n - 1) * one, 'cpu': 2 * n * one, 'split': 2 * (n - 1) * one / n,
+            'ring': 2 * (n - 1) / n * one / links}[strategy]
+
+
+def ring_allreduce(tensor):
+    """Sum `tensor` over all ranks in place with a ring: reduce-scatter, then all-gather.
+
+    Each of the 2(n-1) steps sends one n-th of the tensor to the right neighbour and
+    receives one from the left, so every link carries the same, small amount at once.
+    """
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    chunks = list(torch.tensor_split(tensor.view(-1), n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        send_index = (rank - step) % n
+        recv_index = (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[recv_index])
+        request = dist.isend(chunks[send_index].contiguous(), right)
+        dist.recv(incoming, left)
+        request.wait()
+        if step < n - 1:
+            chunks[recv_index] += incoming       # reduce-scatter: accumulate
+        else:
+            chunks[recv_index].copy_(incoming)   # all-gather: take the finished sum
+    return tensor
+
+
+def ring_check(rank, world_size, numel):
+    """Worker for launch(): ring_allreduce against dist.all_reduce on the same random data."""
+    import torch.distributed as dist
+    data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    mine, reference = data.clone(), data.clone()
+    ring_allreduce(mine)
+    dist.all_reduce(reference)
+    return float((mine - reference).abs().max())
+
+
 # ---------------------------------------------------------- worker processes
 
 

@@ -473,3 +473,37 @@ def test_torchrun_timeout_leaves_nothing_behind(tmp_path):
         common.torchrun(job, nproc_per_node=2, timeout=8)
     pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
     assert len(pids) == 2 and _wait_until(lambda: not any(_alive(pid) for pid in pids), 10)
+
+
+# -------------------------------------------------------------- section 07
+
+def test_sync_time_reproduces_the_worked_example():
+    MB, GB = 1e6, 1e9
+    times = {s: common.sync_time(s, 160 * MB, 4, 16 * GB) for s in common.SYNC_STRATEGIES}
+    assert times['gpu0'] == pytest.approx(0.060)   # 3 transfers of 10 ms to GPU 0, 3 back
+    assert times['cpu'] == pytest.approx(0.080)    # 4 of 10 ms to the CPU, 4 back
+    assert times['split'] == pytest.approx(0.015)  # 3 × 2.5 ms each way, on all links at once
+
+
+def test_ring_time_barely_grows_with_the_ring():
+    MB, GB = 1e6, 1e9
+    eight = common.sync_time('ring', 160 * MB, 8, 18 * GB, links=3)  # two NVLink rings = 3 links
+    assert eight == pytest.approx(2 * 7 / 8 * 160 * MB / (3 * 18 * GB))
+    assert 0.005 < eight < 0.006  # the notes' "about 2·160 MB / (3·18 GB/s) ≈ 6 ms"
+    times = [common.sync_time('ring', 160 * MB, n, 18 * GB) for n in (2, 4, 8, 64, 1024)]
+    assert times == sorted(times) and times[-1] < 2 * times[0]
+    gpu0 = [common.sync_time('gpu0', 160 * MB, n, 18 * GB) for n in (2, 64)]
+    assert gpu0[1] > 50 * gpu0[0]
+
+
+def test_sync_time_refuses_nonsense():
+    with pytest.raises(ValueError, match='strategy must be one of'):
+        common.sync_time('carrier-pigeon', 1, 2, 1)
+    with pytest.raises(ValueError, match='bandwidth > 0'):
+        common.sync_time('ring', 1, 2, 0)
+
+
+@pytest.mark.parametrize('world_size,numel', [(2, 10), (3, 1000), (4, 7)])
+def test_ring_allreduce_equals_all_reduce(world_size, numel):
+    errors = common.launch(common.ring_check, world_size, numel, timeout=120)
+    assert max(errors) < 1e-5
