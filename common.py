@@ -275,6 +275,25 @@ class Benchmark:
             print(f'{self.description}: {self.elapsed:.4f} sec')
 
 
+def median_time(fn, repeats=3, sync=True, device=None):
+    """Median seconds of fn() over `repeats` calls after one warm-up call.
+
+    With sync=True the clock stops once the device (every GPU if device is None)
+    has finished; with sync=False it stops as soon as fn returns.
+    """
+    fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if sync:
+            synchronize(device)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def measure(fn, *args, min_run_time=0.2):
     """Median seconds per call of fn(*args), after a warm-up, device synchronised.
 

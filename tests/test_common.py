@@ -155,6 +155,17 @@ def test_plot_timeline_draws_one_row_per_lane():
     assert (bar.x0, bar.x1) == pytest.approx((1.0, 4.0))  # seconds drawn in milliseconds
 
 
+def test_median_time_skips_warm_up_and_can_skip_sync():
+    calls = []
+
+    def slow_first():
+        calls.append(1)
+        time.sleep(0.2 if len(calls) == 1 else 0.01)
+
+    median = common.median_time(slow_first, repeats=5, sync=False)
+    assert len(calls) == 6 and 0.01 <= median < 0.1
+
+
 def test_measure_reports_median_not_first_call():
     calls = []
 
@@ -240,13 +251,19 @@ def test_failed_download_stops_within_seconds(tmp_path, monkeypatch):
     assert time.monotonic() - start < 30
 
 
-def test_real_fashion_mnist_when_installed():
+@pytest.fixture
+def fashion_mnist():
+    """The installed Fashion-MNIST folder; missing data fails in CI (a set-up bug) and skips elsewhere."""
     try:
-        folder = common.find_fashion_mnist(download=False)
+        return common.find_fashion_mnist(download=False)
     except FileNotFoundError:
         if os.environ.get('CI'):
-            raise  # CI installs the data: missing there is a set-up bug
+            raise
         pytest.skip('Fashion-MNIST is not installed on this machine')
+
+
+def test_real_fashion_mnist_when_installed(fashion_mnist):
+    folder = fashion_mnist
     common._ARRAYS.clear()
     train, test = common.fashion_mnist_datasets()
     assert (len(train), len(test)) == (60000, 10000)
@@ -420,13 +437,7 @@ def test_replica_devices_falls_back_and_refuses_nonsense(monkeypatch):
         common.replica_devices(0)
 
 
-def test_dp_worker_ranks_agree_and_match_one_process():
-    try:
-        common.find_fashion_mnist(download=False)
-    except FileNotFoundError:
-        if os.environ.get('CI'):
-            raise
-        pytest.skip('Fashion-MNIST is not installed on this machine')
+def test_dp_worker_ranks_agree_and_match_one_process(fashion_mnist):
     run = dict(batch_size=64, lr=0.2, steps=1, subset=256)
     two = common.launch(common.dp_worker, 2, run)
     one = common.launch(common.dp_worker, 1, run)
