@@ -44,6 +44,21 @@ def say(en, zh):
     return zh if course_language() == 'zh' else en
 
 
+def show_source(obj):
+    """Show the source code of a function or class from common.py, highlighted in a notebook."""
+    import inspect
+    code = inspect.getsource(obj)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+        if get_ipython() is not None:
+            display(Markdown(f'```python\n{code}```'))
+            return
+    except ImportError:
+        pass
+    print(code)
+
+
 # ---------------------------------------------------------- devices, tiers
 
 
@@ -458,14 +473,13 @@ def fashion_mnist_datasets(subset=None, root=None, download=True, seed=0):
     out = []
     for split in ('train', 'test'):
         images, labels = fashion_mnist_arrays(split, root, download)
-        X = torch.from_numpy(images.copy()).unsqueeze(1).float().div_(255)
-        y = torch.from_numpy(labels.copy())
         if split == 'train' and subset is not None:
-            if not 0 < subset <= len(y):
-                raise ValueError(f'subset must be between 1 and {len(y)}, got {subset}.')
-            keep = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:subset]
-            X, y = X[keep], y[keep]
-        out.append(torch.utils.data.TensorDataset(X, y))
+            if not 0 < subset <= len(labels):
+                raise ValueError(f'subset must be between 1 and {len(labels)}, got {subset}.')
+            keep = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))[:subset]
+            images, labels = images[keep.numpy()], labels[keep.numpy()]  # convert only what is kept
+        X = torch.from_numpy(images.copy()).unsqueeze(1).float().div_(255)
+        out.append(torch.utils.data.TensorDataset(X, torch.from_numpy(labels.copy())))
     return tuple(out)
 
 
@@ -844,10 +858,11 @@ def ring_allreduce(tensor):
     rank, n = dist.get_rank(), dist.get_world_size()
     chunks = list(torch.tensor_split(tensor.view(-1), n))
     right, left = (rank + 1) % n, (rank - 1) % n
+    buffer = torch.empty_like(chunks[0])  # the largest chunk; reused at every step
     for step in range(2 * (n - 1)):
         send_index = (rank - step) % n
         recv_index = (rank - step - 1) % n
-        incoming = torch.empty_like(chunks[recv_index])
+        incoming = buffer[:chunks[recv_index].numel()]
         request = dist.isend(chunks[send_index].contiguous(), right)
         dist.recv(incoming, left)
         request.wait()
@@ -858,14 +873,430 @@ def ring_allreduce(tensor):
     return tensor
 
 
-def ring_check(rank, world_size, numel):
-    """Worker for launch(): ring_allreduce against dist.all_reduce on the same random data."""
+def ring_check(rank, world_size, numel, algorithm='ring'):
+    """Worker for launch(): a ring all-reduce (RING_ALGORITHMS) against dist.all_reduce."""
     import torch.distributed as dist
     data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     mine, reference = data.clone(), data.clone()
-    ring_allreduce(mine)
+    RING_ALGORITHMS[algorithm](mine)
     dist.all_reduce(reference)
     return float((mine - reference).abs().max())
+
+
+def ring_allreduce_both_ways(tensor):
+    """ring_allreduce with half of the tensor going clockwise and half counter-clockwise.
+
+    Every link carries traffic in both of its directions at once, so on
+    full-duplex links each half needs half the time: the notes' exercise.
+    """
+    import torch.distributed as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    half = flat.numel() // 2
+    rings = [(list(torch.tensor_split(flat[:half], n)), +1),   # to rank+1, from rank-1
+             (list(torch.tensor_split(flat[half:], n)), -1)]   # to rank-1, from rank+1
+    buffers = [torch.empty_like(chunks[0]) for chunks, _ in rings]
+    for step in range(2 * (n - 1)):
+        requests, arrivals = [], []
+        for tag, ((chunks, d), buffer) in enumerate(zip(rings, buffers)):
+            send_index, recv_index = (rank - d * step) % n, (rank - d * (step + 1)) % n
+            incoming = buffer[:chunks[recv_index].numel()]
+            requests.append(dist.isend(chunks[send_index], (rank + d) % n, tag=tag))
+            requests.append(dist.irecv(incoming, (rank - d) % n, tag=tag))
+            arrivals.append((chunks, recv_index, incoming))
+        for request in requests:
+            request.wait()
+        for chunks, i, incoming in arrivals:
+            if step < n - 1:
+                chunks[i] += incoming
+            else:
+                chunks[i].copy_(incoming)
+    return tensor
+
+
+RING_ALGORITHMS = {'ring': ring_allreduce, 'ring both ways': ring_allreduce_both_ways}
+
+
+def comm_benchmark(rank, world_size, sizes, repeats=5, algorithms=('ring', 'all_reduce')):
+    """Worker for launch(): median seconds of point-to-point and all-reduce messages.
+
+    sizes are in bytes (float32 payloads). Returns, on rank 0, a dict with
+    'pingpong' (one-way time between ranks 0 and 1: half a round trip),
+    'exchange' (ranks 0 and 1 send to each other at once) and one list per
+    algorithm ('ring', 'ring both ways', 'all_reduce'): medians over
+    `repeats` after a warm-up (5 times more repeats below 1 MB), every rank
+    starting together.
+    """
+    import torch.distributed as dist
+
+    def pingpong(t):  # one message at a time: there and back
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+
+    def exchange(t):  # both send at once, as in every step of a ring
+        if rank < 2:
+            incoming = torch.empty_like(t)
+            request = dist.isend(t, 1 - rank)
+            dist.recv(incoming, 1 - rank)
+            request.wait()
+
+    ops = {'pingpong': pingpong, 'exchange': exchange, 'all_reduce': dist.all_reduce,
+           **RING_ALGORITHMS}
+    unknown = set(algorithms) - set(ops)
+    if unknown:
+        raise ValueError(f'unknown algorithm(s) {sorted(unknown)}; choose from {sorted(ops)}.')
+    out = {}
+    for name in ('pingpong', 'exchange', *algorithms):
+        out[name] = []
+        for size in sizes:
+            t = torch.ones(max(1, size // 4))
+            samples = []
+            for i in range(repeats * (5 if size < 2 ** 20 else 1) + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                ops[name](t)
+                if i:  # the first round is the warm-up
+                    samples.append(time.perf_counter() - start)
+            median = float(np.median(samples))
+            out[name].append(median / 2 if name == 'pingpong' else median)
+    return out if rank == 0 else None
+
+
+def fit_alpha_beta(sizes, seconds):
+    """(alpha, beta): latency in s and s/byte of t = alpha + beta*size, fitted on relative error."""
+    sizes, seconds = np.asarray(sizes, float), np.asarray(seconds, float)
+    if sizes.shape != seconds.shape or len(sizes) < 2:
+        raise ValueError('need at least two (size, time) pairs of equal length.')
+    A = np.stack([np.ones_like(sizes), sizes], 1) / seconds[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(A, np.ones_like(sizes), rcond=None)
+    return float(alpha), float(beta)
+
+
+def ring_model(size_bytes, n, alpha, beta):
+    """alpha-beta time of ring_allreduce: 2(n-1) steps, each one message of size/n."""
+    return 2 * (n - 1) * (alpha + beta * size_bytes / n)
+
+
+def ps_time(size_bytes, workers, servers, bandwidth):
+    """Seconds for `workers` to push gradients to, and pull parameters from, `servers`.
+
+    Each server holds 1/servers of the parameters and talks to every worker
+    over its own link; each worker talks to every server over its own link.
+    The busier end sets the pace: 2·max(workers/servers, 1)·size/bandwidth.
+    """
+    if min(workers, servers) < 1 or size_bytes < 0 or bandwidth <= 0:
+        raise ValueError('need workers >= 1, servers >= 1, size >= 0 and bandwidth > 0.')
+    return 2 * max(workers / servers, 1) * size_bytes / bandwidth
+
+
+def hierarchical_time(size_bytes, machines, gpus, local_bandwidth, network_bandwidth, servers=1):
+    """Sum on each machine first (fast links), then across machines through sharded servers.
+
+    Local reduce and local broadcast each cost (g-1)/g·size/local_bandwidth
+    (split aggregation, like a ring's two halves); only one gradient per
+    machine crosses the network. Compare ps_time(size, machines*gpus, ...).
+    """
+    if gpus < 1 or local_bandwidth <= 0:
+        raise ValueError('need gpus >= 1 and local_bandwidth > 0.')
+    local = 2 * (gpus - 1) / gpus * size_bytes / local_bandwidth
+    return local + ps_time(size_bytes, machines, servers, network_bandwidth)
+
+
+def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1):
+    """An ipywidgets calculator: sliders for the sync_time inputs, a bar per strategy."""
+    import ipywidgets as widgets
+    labels = {'gpu0': say('via GPU 0', '经由 GPU 0'), 'cpu': say('via the CPU', '经由 CPU'),
+              'split': say('split over all', '分块聚合'), 'ring': say('ring', '环同步')}
+    style = {'description_width': '11em'}
+    size = widgets.FloatLogSlider(value=size_mb, base=10, min=0, max=4, step=0.05, style=style,
+                                  description=say('gradients (MB)', '梯度大小（MB）'))
+    n = widgets.IntSlider(value=devices, min=2, max=64, style=style,
+                          description=say('devices', '设备数'))
+    bw = widgets.FloatLogSlider(value=bandwidth_gbs, base=10, min=-1, max=3, step=0.05, style=style,
+                                description=say('link bandwidth (GB/s)', '链路带宽（GB/s）'))
+    rings = widgets.IntSlider(value=links, min=1, max=6, style=style,
+                              description=say('parallel rings', '并行环数'))
+    table = widgets.HTML()
+
+    def update(_=None):
+        times = {k: 1e3 * sync_time(k, size.value * 1e6, n.value, bw.value * 1e9,
+                                    rings.value if k == 'ring' else 1) for k in SYNC_STRATEGIES}
+        longest = max(times.values()) or 1
+        rows = ''.join(
+            f'<tr><td style="text-align:left">{labels[k]}</td><td>{t:,.2f} ms</td>'
+            f'<td style="text-align:left"><div style="background:#4c72b0;height:0.9em;'
+            f'width:{max(1, round(240 * t / longest))}px"></div></td></tr>'
+            for k, t in times.items())
+        table.value = f'<table>{rows}</table>'
+
+    for w in (size, n, bw, rings):
+        w.observe(update, names='value')
+    update()
+    box = widgets.VBox([size, n, bw, rings, table])
+    box.update = update
+    return box
+
+
+class KVStore:
+    """A key-value store with update semantics, in one process.
+
+    push(key, values) sums the values (the gradients of several devices or
+    workers) and, if an updater is set, hands the sum to it together with the
+    stored value, which it changes in place (the optimiser step); without one
+    the sum replaces the stored value. pull(key) returns a copy.
+    """
+
+    def __init__(self, updater=None):
+        self.updater, self._data = updater, {}
+
+    def init(self, key, value):
+        if key in self._data:
+            raise KeyError(f'key {key!r} is already initialised.')
+        self._data[key] = value.detach().clone()
+
+    def _stored(self, key):
+        if key not in self._data:
+            raise KeyError(f'key {key!r} was never initialised; call init({key!r}, value) first.')
+        return self._data[key]
+
+    def push(self, key, values):
+        stored = self._stored(key)
+        values = list(values) if isinstance(values, (list, tuple)) else [values]
+        for v in values:
+            if v.shape != stored.shape:
+                raise ValueError(f'key {key!r} holds shape {tuple(stored.shape)}; a value of '
+                                 f'shape {tuple(v.shape)} was pushed.')
+        total = values[0].detach().to(stored.device, copy=True)
+        for v in values[1:]:
+            total += v.detach().to(stored.device)
+        if self.updater is None:
+            stored.copy_(total)
+        else:
+            self.updater(key, total, stored)
+
+    def pull(self, key):
+        return self._stored(key).clone()
+
+    def keys(self):
+        return list(self._data)
+
+
+def shard_keys(shapes, servers, piece=None):
+    """Assign parameter tensors, or pieces of them, to `servers` so the elements balance.
+
+    With piece=None each tensor is one key; with piece=k tensors are cut into
+    ranges of at most k elements first. Keys go largest first to the least
+    loaded server. Returns a list of dicts: key, param, start, stop, server.
+    """
+    if servers < 1 or (piece is not None and piece < 1):
+        raise ValueError('need servers >= 1 and piece >= 1 (or None).')
+    pieces = []
+    for i, shape in enumerate(shapes):
+        numel = int(np.prod(shape))
+        step = piece or numel
+        for j, start in enumerate(range(0, numel, step)):
+            pieces.append({'key': f'{i}.{j}', 'param': i, 'start': start,
+                           'stop': min(start + step, numel)})
+    load = [0] * servers
+    for p in sorted(pieces, key=lambda p: p['start'] - p['stop']):
+        p['server'] = load.index(min(load))
+        load[p['server']] += p['stop'] - p['start']
+    return pieces
+
+
+class PSFault(ConnectionError):
+    """A parameter-server process lost a peer: the message says which one."""
+
+
+class _ps_link:
+    """Turn a failed send/receive into a PSFault that names the process at the other end."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if isinstance(error, RuntimeError):
+            import re
+            reason = re.sub(r'^\[[^\]]*\]\s*', '', str(error).strip().splitlines()[0])
+            reason = reason.split(' This is typically')[0][:160]
+            raise PSFault(f'{self.what}: that process died or stopped answering ({reason})') from None
+        return False
+
+
+def _ps_wait(requests, what):
+    with _ps_link(what):
+        for request in requests:
+            request.wait()
+
+
+def _ps_fault(run, role, index, step):
+    fault = run.get('fault')
+    if fault and (fault['role'], fault['index'], fault['step']) == (role, index, step):
+        if fault.get('stamp'):
+            Path(fault['stamp']).write_text(repr(time.time()))
+        if fault.get('kind', 'kill') == 'kill':
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)  # 'hang': alive but silent
+
+
+def ps_process(rank, world_size, run):
+    """Worker for launch(): LeNet trained through a sharded parameter server.
+
+    Ranks 0 … servers-1 are servers, the rest workers. `run` holds servers,
+    steps, batch_size (global), lr, and optionally seed, subset, piece (see
+    shard_keys), test_subset, fault (role, index, step, kind 'kill' or
+    'hang', stamp file) and checkpoint (dir, every, resume).
+    """
+    import torch.distributed as dist
+    servers = run['servers']
+    if not 1 <= servers < world_size:
+        raise ValueError(f'need 1 <= servers < processes; got {servers} servers of {world_size}.')
+    plan = shard_keys(LENET_SHAPES, servers, run.get('piece'))
+    workers = list(range(servers, world_size))
+    worker_group = dist.new_group(workers)  # every rank must take part in creating it
+    start = _ps_resume_step(rank, servers, run)
+    if rank < servers:
+        return _ps_server(rank, run, plan, workers, start)
+    return _ps_worker(rank - servers, run, plan, workers, start, worker_group)
+
+
+def _ps_checkpoint_files(run, s):
+    ckpt = run.get('checkpoint')
+    return sorted(Path(ckpt['dir']).glob(f'server{s}-step*.pt'),
+                  key=lambda f: int(f.stem.split('step')[1])) if ckpt else []
+
+
+def _ps_resume_step(rank, servers, run):
+    # Resume from the newest step that every server has saved (0: from scratch).
+    import torch.distributed as dist
+    ckpt = run.get('checkpoint') or {}
+    latest = 0
+    if ckpt.get('resume') and rank < servers:
+        files = _ps_checkpoint_files(run, rank)
+        latest = int(files[-1].stem.split('step')[1]) if files else 0
+    t = torch.tensor([latest if rank < servers else 2 ** 62], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t)
+
+
+def _ps_server(s, run, plan, workers, start):
+    import torch.distributed as dist
+    lr, batch_size = run['lr'], run['batch_size']
+    mine = [p for p in plan if p['server'] == s]
+
+    def sgd_update(key, grad_sum, weight):  # the optimiser runs on the server
+        weight -= lr * grad_sum / batch_size
+
+    store = KVStore(updater=sgd_update)
+    init = lenet_params(run.get('seed', 0))
+    saved = torch.load(Path(run['checkpoint']['dir']) / f'server{s}-step{start}.pt') if start else {}
+    for p in mine:
+        store.init(p['key'], saved[p['key']] if start else
+                   init[p['param']].reshape(-1)[p['start']:p['stop']])
+
+    def send_to_workers(step):
+        values = {p['key']: store.pull(p['key']) for p in mine}  # alive until sent
+        what = f'server {s} (rank {s}) sending the parameters for step {step} to the workers'
+        with _ps_link(what):
+            requests = [dist.isend(values[p['key']], r, tag=plan.index(p))
+                        for p in mine for r in workers]
+        _ps_wait(requests, what)
+
+    send_to_workers(start)  # the first pull
+    pushes, t0 = 0, time.perf_counter()
+    for step in range(start, run['steps']):
+        _ps_fault(run, 'server', s, step)
+        for p in mine:
+            grads = [torch.empty(p['stop'] - p['start']) for _ in workers]
+            for w, (r, g) in enumerate(zip(workers, grads)):
+                with _ps_link(f'server {s} (rank {s}) waiting for the push of key {p["key"]} '
+                              f'from worker {w} (rank {r}) at step {step}'):
+                    dist.recv(g, r, tag=plan.index(p))
+            store.push(p['key'], grads)
+            pushes += len(grads)
+        send_to_workers(step + 1)
+        _ps_save(run, s, step + 1, store)
+    return {'role': 'server', 'index': s, 'keys': [p['key'] for p in mine],
+            'elements': sum(p['stop'] - p['start'] for p in mine), 'pushes': pushes,
+            'seconds': time.perf_counter() - t0}
+
+
+def _ps_save(run, s, step, store):
+    ckpt = run.get('checkpoint')
+    if not ckpt or step % ckpt['every']:
+        return
+    folder = Path(ckpt['dir'])
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f'server{s}.tmp'
+    torch.save({k: store.pull(k) for k in store.keys()}, tmp)
+    tmp.replace(folder / f'server{s}-step{step}.pt')  # atomic: never a half-written checkpoint
+    for old in _ps_checkpoint_files(run, s)[:-2]:   # keep the last two
+        old.unlink()
+
+
+def _ps_worker(w, run, plan, workers, start, worker_group):
+    import torch.distributed as dist
+    rank, servers = workers[w], run['servers']
+    batch_size, lr, seed = run['batch_size'], run['lr'], run.get('seed', 0)
+    X_all, y_all = fashion_mnist_datasets(subset=run.get('subset'), download=False)[0].tensors
+    order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(seed))
+    params = [torch.zeros(shape, requires_grad=True) for shape in LENET_SHAPES]
+
+    def pull(step):
+        bufs = [torch.empty(p['stop'] - p['start']) for p in plan]
+        what = (f'worker {w} (rank {rank}) pulling the parameters for step {step} '
+                f'from the servers (ranks 0-{servers - 1})')
+        with _ps_link(what):
+            requests = [dist.irecv(b, p['server'], tag=i) for i, (p, b) in enumerate(zip(plan, bufs))]
+        _ps_wait(requests, what)
+        with torch.no_grad():
+            for p, b in zip(plan, bufs):
+                params[p['param']].view(-1)[p['start']:p['stop']] = b
+
+    pull(start)
+    losses, step_diff, t0 = [], None, time.perf_counter()
+    for step in range(start, run['steps']):
+        _ps_fault(run, 'worker', w, step)
+        batch = order[(step * batch_size) % len(order):][:batch_size]
+        mine = torch.tensor_split(batch, len(workers))[w]
+        loss = torch.nn.functional.cross_entropy(lenet(X_all[mine], params), y_all[mine],
+                                                 reduction='sum')
+        loss.backward()
+        losses.append(loss.item() / len(mine))
+        what = f'worker {w} (rank {rank}) pushing the gradients of step {step}'
+        with _ps_link(what):
+            requests = [dist.isend(params[p['param']].grad.reshape(-1)[p['start']:p['stop']].clone(),
+                                   p['server'], tag=i) for i, p in enumerate(plan)]
+        if step == start:  # the same step done with all-reduce, for comparison
+            with torch.no_grad():
+                grads = [q.grad.clone() for q in params]
+                for g in grads:
+                    dist.all_reduce(g, group=worker_group)
+                by_allreduce = [q - lr * g / len(batch) for q, g in zip(params, grads)]
+        pull(step + 1)
+        _ps_wait(requests, what)
+        if step == start:
+            step_diff = max(float((q.detach() - a).abs().max()) for q, a in zip(params, by_allreduce))
+        for q in params:
+            q.grad = None
+    seconds = time.perf_counter() - t0
+    out = {'role': 'worker', 'index': w, 'losses': losses, 'allreduce_diff': step_diff,
+           'images_per_s': (run['steps'] - start) * batch_size / seconds,
+           'params': [q.detach().clone() for q in params] if w == 0 else None}
+    if w == 0 and run.get('test_subset'):
+        X, y = fashion_mnist_datasets(download=False)[1].tensors
+        n = run['test_subset']
+        with torch.no_grad():
+            out['test_accuracy'] = accuracy(lenet(X[:n], params), y[:n]) / n
+    return out
 
 
 # ---------------------------------------------------------- worker processes
@@ -892,8 +1323,10 @@ def _watch_parent(parent_pid):
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _worker_main(rank, world_size, port, backend, threads, fn, args, results, parent_pid):
+def _worker_main(rank, world_size, port, backend, threads, fn, args, results, parent_pid,
+                 op_timeout=None):
     """Entry point of a worker process started by launch()."""
+    import datetime
     import pickle
     import torch.distributed as dist
     _watch_parent(parent_pid)
@@ -906,7 +1339,8 @@ def _worker_main(rank, world_size, port, backend, threads, fn, args, results, pa
         if backend == 'nccl':
             torch.cuda.set_device(rank)
         store = dist.TCPStore('127.0.0.1', port, world_size + 1, is_master=False)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        extra = {} if op_timeout is None else {'timeout': datetime.timedelta(seconds=op_timeout)}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **extra)
         joined = True
         outcome = (rank, 'ok', fn(rank, world_size, *args))
     except BaseException as e:
@@ -934,13 +1368,17 @@ def _worker_main(rank, world_size, port, backend, threads, fn, args, results, pa
             pass
 
 
-def launch(fn, world_size, *args, backend=None, timeout=120, threads=None):
+def launch(fn, world_size, *args, backend=None, timeout=120, threads=None, op_timeout=None,
+           names=None):
     """Run fn(rank, world_size, *args) in `world_size` processes joined by torch.distributed.
 
     fn must live in an importable module (common.py or a .py file), not in a
     notebook. Returns the list of return values by rank. A worker's exception
-    is re-raised here with its traceback; a hang raises TimeoutError after
-    `timeout` seconds. No process or port outlives the call.
+    is re-raised here with its traceback; a worker that dies without a word
+    is named; a hang raises TimeoutError after `timeout` seconds. No process
+    or port outlives the call. `op_timeout` (seconds) bounds every single
+    send, receive or collective inside the workers (torch's default is 30
+    minutes); `names` labels the ranks in error messages, e.g. 'worker 1'.
     """
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -956,6 +1394,8 @@ def launch(fn, world_size, *args, backend=None, timeout=120, threads=None):
     if backend == 'nccl' and num_gpus() < world_size:
         raise ValueError(f'backend nccl needs one GPU per process: {world_size} processes, '
                          f'{num_gpus()} GPU(s). Use backend="gloo" or fewer processes.')
+    if names is not None and len(names) != world_size:
+        raise ValueError(f'names has {len(names)} entries for {world_size} processes.')
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context('spawn')
     results = ctx.Queue()
@@ -966,10 +1406,10 @@ def launch(fn, world_size, *args, backend=None, timeout=120, threads=None):
         for rank in range(world_size):
             p = ctx.Process(target=_worker_main, daemon=True,
                             args=(rank, world_size, store.port, backend, threads, fn, args,
-                                  results, os.getpid()))
+                                  results, os.getpid(), op_timeout))
             p.start()
             procs.append(p)
-        return _collect(procs, results, timeout)
+        return _collect(procs, results, timeout, names)
     finally:
         for p in procs:
             if p.is_alive():
@@ -991,9 +1431,25 @@ def allreduce_check(rank, world_size):
     return t.item()
 
 
-def _raise_first_error(rank, payload, results, grace=1.0):
+def _label(rank, names):
+    return f'rank {rank} ({names[rank]})' if names else f'rank {rank}'
+
+
+def _exit_text(code):
+    import signal
+    if code is not None and code < 0:
+        try:
+            return f'code {code} ({signal.Signals(-code).name})'
+        except ValueError:
+            pass
+    return f'code {code}'
+
+
+def _raise_first_error(rank, payload, results, procs, names, grace=1.0):
     # Peers of a failed worker fail too (connection closed): wait a moment for
     # their reports and raise the error that happened first, the root cause.
+    # A process that died without reporting (killed, crashed) is the root
+    # cause of everything its peers report, so it is named first.
     import pickle
     import queue
     errors = [(payload[2], rank, payload)]
@@ -1006,13 +1462,21 @@ def _raise_first_error(rank, payload, results, grace=1.0):
         if status == 'error':
             errors.append((p[2], r, p))
     _, rank, (exc, tb, _) = min(errors, key=lambda e: e[0])
-    remote = _RemoteTraceback(f'\n--- worker rank {rank} ---\n{tb}')
+    remote = _RemoteTraceback(f'\n--- worker {_label(rank, names)} ---\n{tb}')
+    reported = {e[1] for e in errors}
+    silent = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+    if silent:
+        r = silent[0]
+        last = tb.strip().splitlines()[-1] if tb.strip() else repr(exc)
+        raise WorkerError(f'{_label(r, names)} exited with {_exit_text(procs[r].exitcode)} without '
+                          f'reporting a result (killed or crashed); {_label(rank, names)} noticed '
+                          f'first: {last}') from remote
     if exc is None:
-        raise WorkerError(f'worker rank {rank} failed:\n{tb}')
+        raise WorkerError(f'worker {_label(rank, names)} failed:\n{tb}')
     raise exc from remote
 
 
-def _collect(procs, results, timeout):
+def _collect(procs, results, timeout, names=None):
     import pickle
     import queue
     deadline = time.monotonic() + timeout
@@ -1027,8 +1491,9 @@ def _collect(procs, results, timeout):
                 time.sleep(0.5)  # a message sent just before exit may still be in flight
                 if results.empty():
                     r = dead[0]
-                    raise WorkerError(f'worker rank {r} exited with code {procs[r].exitcode} '
-                                      'without reporting a result (killed or crashed).')
+                    raise WorkerError(f'worker {_label(r, names)} exited with '
+                                      f'{_exit_text(procs[r].exitcode)} without reporting a '
+                                      'result (killed or crashed).')
                 continue
             if time.monotonic() > deadline:
                 waiting = sorted(set(range(len(procs))) - set(done))
@@ -1036,6 +1501,6 @@ def _collect(procs, results, timeout):
                                    f'{timeout} s; all workers were stopped.')
             continue
         if status == 'error':
-            _raise_first_error(rank, payload, results)
+            _raise_first_error(rank, payload, results, procs, names)
         done[rank] = payload
     return [done[r] for r in range(len(procs))]

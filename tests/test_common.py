@@ -514,7 +514,156 @@ def test_sync_time_refuses_nonsense():
         common.sync_time('ring', 1, 2, 0)
 
 
+@pytest.mark.parametrize('algorithm', sorted(common.RING_ALGORITHMS))
 @pytest.mark.parametrize('world_size,numel', [(2, 10), (3, 1000), (4, 7)])
-def test_ring_allreduce_equals_all_reduce(world_size, numel):
-    errors = common.launch(common.ring_check, world_size, numel, timeout=120)
+def test_ring_allreduce_equals_all_reduce(world_size, numel, algorithm):
+    errors = common.launch(common.ring_check, world_size, numel, algorithm, timeout=120)
     assert max(errors) < 1e-5
+
+
+def test_ring_check_can_fail():
+    # A ring that forgets the all-gather leaves every rank with only one finished chunk.
+    errors = common.launch(workers.check_a_broken_ring, 3, 999, timeout=120)
+    assert min(errors) > 0.1
+
+
+def test_comm_benchmark_measures_every_algorithm():
+    sizes = [64, 4096, 65536]
+    out = common.launch(common.comm_benchmark, 2, sizes, 2,
+                        ('ring', 'ring both ways', 'all_reduce'), timeout=120)
+    assert out[1] is None
+    assert set(out[0]) == {'pingpong', 'exchange', 'ring', 'ring both ways', 'all_reduce'}
+    assert all(len(v) == len(sizes) and min(v) > 0 for v in out[0].values())
+    with pytest.raises(ValueError, match='unknown algorithm'):
+        common.launch(common.comm_benchmark, 2, sizes, 1, ('carrier-pigeon',), timeout=60)
+
+
+def test_fit_alpha_beta_recovers_a_known_line():
+    sizes = np.array([16, 1024, 65536, 2 ** 20, 2 ** 24])
+    alpha, beta = common.fit_alpha_beta(sizes, 50e-6 + sizes / 2e9)
+    assert alpha == pytest.approx(50e-6, rel=1e-6) and beta == pytest.approx(0.5e-9, rel=1e-6)
+    assert common.ring_model(2 ** 20, 4, alpha, beta) == pytest.approx(6 * (50e-6 + 2 ** 18 / 2e9))
+    with pytest.raises(ValueError, match='at least two'):
+        common.fit_alpha_beta([1], [1.0])
+
+
+def test_parameter_server_and_hierarchical_costs():
+    MB, GB = 1e6, 1e9
+    one = common.ps_time(160 * MB, 8, 1, 10 * GB)
+    assert one == pytest.approx(2 * 8 * 0.016)                      # 8 workers through one link
+    assert common.ps_time(160 * MB, 8, 8, 10 * GB) == pytest.approx(0.032)  # as many servers: flat
+    assert common.ps_time(160 * MB, 64, 64, 10 * GB) == common.ps_time(160 * MB, 8, 8, 10 * GB)
+    hier = common.hierarchical_time(160 * MB, 32, 8, 3 * 18 * GB, 10 * GB, servers=32)
+    assert hier == pytest.approx(2 * 7 / 8 * 160 * MB / (54 * GB) + 0.032)
+    assert hier < common.ps_time(160 * MB, 256, 32, 10 * GB) / 5
+    with pytest.raises(ValueError, match='servers >= 1'):
+        common.ps_time(1, 2, 0, 1)
+    with pytest.raises(ValueError, match='gpus >= 1'):
+        common.hierarchical_time(1, 2, 0, 1, 1)
+
+
+def test_sync_calculator_follows_its_sliders():
+    box = common.sync_calculator()
+    size, devices, bandwidth, rings, table = box.children
+    assert '60.00 ms' in table.value and '80.00 ms' in table.value and '15.00 ms' in table.value
+    devices.value = 8
+    assert '140.00 ms' in table.value and '160.00 ms' in table.value   # 2·7·10 and 2·8·10
+    rings.value = 3
+    assert f'{2 * 7 / 8 * 10 / 3:,.2f} ms' in table.value
+
+
+def test_kvstore_push_pull_and_updater():
+    store = common.KVStore()
+    store.init('w', torch.zeros(2))
+    store.push('w', [torch.ones(2), torch.full((2,), 2.0)])
+    assert torch.equal(store.pull('w'), torch.full((2,), 3.0))
+    pulled = store.pull('w')
+    pulled += 100                                           # a pull is a copy
+    assert torch.equal(store.pull('w'), torch.full((2,), 3.0))
+    sgd = common.KVStore(updater=lambda key, grad, weight: weight.sub_(0.5 * grad))
+    sgd.init(3, torch.ones(2))
+    sgd.push(3, torch.ones(2))
+    sgd.push(3, [torch.ones(2), torch.ones(2)])
+    assert torch.equal(sgd.pull(3), torch.full((2,), -0.5))
+    with pytest.raises(KeyError, match='never initialised'):
+        store.pull('b')
+    with pytest.raises(KeyError, match='already initialised'):
+        store.init('w', torch.zeros(2))
+    with pytest.raises(ValueError, match=r'holds shape \(2,\)'):
+        store.push('w', torch.zeros(3))
+
+
+@pytest.mark.parametrize('servers,piece', [(1, None), (2, None), (3, 1000), (4, 16384)])
+def test_shard_keys_covers_every_element_once(servers, piece):
+    plan = common.shard_keys(common.LENET_SHAPES, servers, piece)
+    for i, shape in enumerate(common.LENET_SHAPES):
+        ranges = sorted((p['start'], p['stop']) for p in plan if p['param'] == i)
+        assert ranges[0][0] == 0 and ranges[-1][1] == int(np.prod(shape))
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    load = [sum(p['stop'] - p['start'] for p in plan if p['server'] == s) for s in range(servers)]
+    assert len(set(p['key'] for p in plan)) == len(plan) and min(load) > 0
+    if piece:
+        assert max(load) - min(load) <= piece
+    with pytest.raises(ValueError, match='servers >= 1'):
+        common.shard_keys(common.LENET_SHAPES, 0)
+
+
+ROLES = ['server 0', 'server 1', 'worker 0', 'worker 1']
+PS_RUN = dict(servers=2, steps=3, batch_size=64, lr=0.2, subset=512, piece=20000)
+
+
+def test_parameter_server_step_equals_all_reduce_training(fashion_mnist):
+    out = common.launch(common.ps_process, 4, PS_RUN, names=ROLES, timeout=120)
+    servers, workers_ = out[:2], out[2:]
+    assert [r['role'] for r in out] == ['server', 'server', 'worker', 'worker']
+    assert all(w['allreduce_diff'] <= 1e-6 for w in workers_)
+    assert [s['pushes'] for s in servers] == [2 * 3 * len(s['keys']) for s in servers]
+    # three PS steps train exactly like three all-reduce steps (dp_worker, same data order)
+    dp = common.launch(common.dp_worker, 2, dict(PS_RUN), timeout=120)[0]['params']
+    for a, b in zip(workers_[0]['params'], dp):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match='servers < processes'):
+        common.launch(common.ps_process, 2, dict(PS_RUN, servers=2), timeout=60)
+
+
+@pytest.mark.parametrize('role,noticed', [('worker', 'server'), ('server', 'worker')])
+def test_parameter_server_names_a_killed_process(fashion_mnist, role, noticed):
+    run = dict(PS_RUN, steps=4, fault=dict(role=role, index=1, step=2, kind='kill'))
+    start = time.monotonic()
+    with pytest.raises(common.WorkerError, match=rf'\({role} 1\) exited with code -9 \(SIGKILL\)'
+                                                 rf'.*noticed first.*PSFault: {noticed}'):
+        common.launch(common.ps_process, 4, run, names=ROLES, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+def test_parameter_server_times_out_on_a_silent_worker(fashion_mnist, tmp_path):
+    stamp = tmp_path / 'fault-time'
+    run = dict(PS_RUN, steps=4, fault=dict(role='worker', index=1, step=1, kind='hang', stamp=str(stamp)))
+    with pytest.raises(common.PSFault, match=r'from worker 1 \(rank 3\) at step 1.*Timed out'):
+        common.launch(common.ps_process, 4, run, names=ROLES, op_timeout=3, timeout=60)
+    assert 3 <= time.time() - float(stamp.read_text()) < 20
+
+
+def test_parameter_server_resumes_from_a_checkpoint_exactly(fashion_mnist, tmp_path):
+    run = dict(PS_RUN, steps=6)
+    ckpt = dict(dir=str(tmp_path / 'ckpt'), every=2)
+    clean = common.launch(common.ps_process, 4, run, names=ROLES, timeout=120)
+    with pytest.raises(common.WorkerError, match='server 1'):
+        common.launch(common.ps_process, 4, dict(run, checkpoint=ckpt,
+                      fault=dict(role='server', index=1, step=3)), names=ROLES, timeout=60)
+    # server 0 got one checkpoint further than the server that died; only step 2 is common
+    assert sorted(f.name for f in (tmp_path / 'ckpt').iterdir()) == \
+        ['server0-step2.pt', 'server0-step4.pt', 'server1-step2.pt']
+    resumed = common.launch(common.ps_process, 4, dict(run, checkpoint=dict(ckpt, resume=True)),
+                            names=ROLES, timeout=120)
+    assert len(resumed[2]['losses']) == 4   # steps 2 … 5 only
+    for a, b in zip(resumed[2]['params'], clean[2]['params']):
+        assert torch.equal(a, b)
+
+
+def test_launch_names_the_killed_process_not_the_peer_that_noticed():
+    with pytest.raises(common.WorkerError, match=r'rank 0 \(first\) exited with code -9 \(SIGKILL\)'
+                                                 r'.*rank 1 \(second\) noticed first'):
+        common.launch(workers.killed_while_peer_waits, 2, names=['first', 'second'], timeout=60)
+    with pytest.raises(ValueError, match='names has 1 entries for 2 processes'):
+        common.launch(workers.rank_and_world, 2, names=['lonely'])

@@ -35,3 +35,28 @@ def report_pid_then_hang(rank, world_size, folder):
 def return_tensor(rank, world_size):
     import torch
     return torch.full((3,), float(rank))
+
+
+def killed_while_peer_waits(rank, world_size):
+    import signal
+    import torch
+    if rank == 0:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.recv(torch.empty(1), 0)  # fails when rank 0 dies: connection closed
+
+
+def check_a_broken_ring(rank, world_size, numel):
+    import common
+
+    def reduce_scatter_only(tensor):
+        n, r = dist.get_world_size(), dist.get_rank()
+        chunks = list(tensor.view(-1).tensor_split(n))
+        for step in range(n - 1):
+            incoming = chunks[(r - step - 1) % n].clone()
+            request = dist.isend(chunks[(r - step) % n].clone(), (r + 1) % n)
+            dist.recv(incoming, (r - 1) % n)
+            request.wait()
+            chunks[(r - step - 1) % n] += incoming
+    common.RING_ALGORITHMS['broken'] = reduce_scatter_only
+    return common.ring_check(rank, world_size, numel, 'broken')
