@@ -44,6 +44,125 @@ def say(en, zh):
     return zh if course_language() == 'zh' else en
 
 
+# English text in figures -> Chinese, for tr(). Keys are exactly what the notebooks pass.
+FIGURE_TEXT = {
+    # 00: Fashion-MNIST classes
+    't-shirt': 'T恤', 'trouser': '裤子', 'pullover': '套衫', 'dress': '连衣裙', 'coat': '外套',
+    'sandal': '凉鞋', 'shirt': '衬衫', 'sneaker': '运动鞋', 'bag': '包', 'ankle boot': '短靴',
+    # 01
+    'batch size': '批量大小', 'µs per sample': '每个样本耗时（µs）',
+    '512-256-128-2 MLP, inference': '512-256-128-2 多层感知机，推理',
+    # 02
+    'wait for every result: n(t1 + t2 + t3)': '每个结果都等待：n(t1 + t2 + t3)',
+    'submit without waiting: about n·max(t1, t2)': '提交后不等待：约 n·max(t1, t2)',
+    'never wait': '从不等待', 'sync once per minibatch': '每个小批量同步一次',
+    'time (ms)': '时间（ms）', 'time ({unit})': '时间（{unit}）',
+    'MB held by queued work': '排队的工作占用的内存（MB）',
+    'memory pinned by the queue': '队列占住的内存',
+    # 03
+    'two independent workloads: one after the other, then in two threads':
+        '两个相互独立的工作负载：先依次执行，再在两个线程中执行',
+    'dependency depth': '依赖深度',
+    'one data-parallel training step: what depends on what': '一个数据并行训练步骤：谁依赖谁',
+    'time (illustrative units)': '时间（示意单位）',
+    'list schedule: {m} units, versus {w} units one task at a time':
+        '列表调度：{m} 个单位，逐个执行则需 {w} 个单位',
+    # 04
+    'measured read throughput (1 thread)': '实测读取吞吐量（1 个线程）',
+    'working set (bytes)': '工作集大小（字节）',
+    'reading the same block again and again': '反复读取同一块数据',
+    ' one element per 64-byte line': ' 每个 64 字节缓存行只读一个元素',
+    'stride (elements)': '步幅（元素个数）', 'ns per element read': '每读取一个元素的耗时（ns）',
+    'reading every k-th float32': '每隔 k 个读取一个 float32',
+    'busy cells of a 4×4 array multiplying two 4×4 matrices': '4×4 阵列计算两个 4×4 矩阵乘积时的忙碌单元',
+    'cycle {t}': '周期 {t}', 'matrix side n': '矩阵边长 n', 'utilisation (%)': '利用率（%）',
+    '{p}×{p} systolic array, n×n product': '{p}×{p} 脉动阵列，n×n 矩阵乘法',
+    # 05
+    'across layers\n(pipeline)': '按层拆分\n（流水线并行）',
+    'within layers\n(tensor parallel)': '层内拆分\n（张量并行）',
+    'across data\n(data parallel)': '按数据拆分\n（数据并行）',
+    'layer {i}: GPU {g}': '第 {i} 层：GPU {g}', 'L{i}, half {h}': '第 {i} 层，第 {h} 部分',
+    'layer {i}': '第 {i} 层', 'data shard {h}': '数据分片 {h}',
+    'epoch': '轮数', 'test accuracy': '测试准确率',
+    # 07
+    'number of devices': '设备数', 'sync time (ms)': '同步时间（ms）',
+    '{s:.0f} MB of gradients over {b:.0f} GB/s links': '{s:.0f} MB 梯度，{b:.0f} GB/s 链路',
+    'two rings over the NVLinks of 8 GPUs\n(green: 2 links per hop, purple: 1)':
+        '8 块 GPU 的 NVLink 上的两个环\n（绿色：每跳 2 条链路，紫色：1 条）',
+    'device': '设备', 'start': '开始', 'chunk': '块', 'step {t}': '第 {t} 步', 'step': '步数',
+    'our ring_allreduce (measured)': '我们的 ring_allreduce（实测）',
+    'dist.all_reduce, gloo (measured)': 'dist.all_reduce，gloo（实测）',
+    'alpha-beta model of the ring': '环的 α–β 模型',
+    'one message (ping-pong)': '单条消息（乒乓）',
+    'payload (bytes)': '数据量（字节）', 'all-reduce over 2 CPU processes': '2 个 CPU 进程上的 all-reduce',
+    'every GPU to 1 server': '每块 GPU 直连 1 个服务器', 'every GPU to m servers': '每块 GPU 直连 m 个服务器',
+    'hierarchical, m servers': '分层同步，m 个服务器', 'machines m (8 GPUs each)': '机器数 m（每台 8 块 GPU）',
+    '{s:.0f} MB, NVLink inside machines, {b:.0f} GB/s network':
+        '{s:.0f} MB，机器内 NVLink，网络 {b:.0f} GB/s',
+    'training loss (worker 0)': '训练损失（工作节点 0）',
+}
+
+# Fonts that cover Chinese, best first: Linux packages, then Windows and macOS.
+CJK_FONTS = ('Noto Sans CJK SC', 'Noto Sans SC', 'Source Han Sans SC', 'WenQuanYi Micro Hei',
+             'WenQuanYi Zen Hei', 'Noto Sans CJK JP', 'Microsoft YaHei', 'SimHei', 'PingFang SC',
+             'Hiragino Sans GB', 'Heiti SC', 'Arial Unicode MS')
+_CJK_STATE = {}
+
+
+def cjk_font():
+    """Name of an installed font with Chinese glyphs, registered with matplotlib; None if none.
+
+    Looks through matplotlib's font list first, then through the system's
+    font files (a font installed after matplotlib built its cache).
+    """
+    if 'font' not in _CJK_STATE:
+        from matplotlib import font_manager
+        names = {f.name for f in font_manager.fontManager.ttflist}
+        found = next((n for n in CJK_FONTS if n in names), None)
+        if found is None:
+            hints = ('cjk', 'wqy', 'sourcehan', 'msyh', 'simhei', 'pingfang', 'hiragino')
+            for path in font_manager.findSystemFonts():
+                if any(h in Path(path).name.lower().replace('-', '') for h in hints):
+                    try:
+                        font_manager.fontManager.addfont(path)
+                    except (OSError, RuntimeError):
+                        continue
+            names = {f.name for f in font_manager.fontManager.ttflist}
+            found = next((n for n in CJK_FONTS if n in names), None)
+        _CJK_STATE['font'] = found
+    return _CJK_STATE['font']
+
+
+def _use_cjk_font():
+    # Chinese glyphs come from the CJK font; Latin ones stay in the default font.
+    import matplotlib
+    font = cjk_font()
+    if font and not _CJK_STATE.get('active'):
+        # matplotlib falls back along font.family: glyphs the first family lacks come from the next
+        families = [f for f in matplotlib.rcParams['font.family'] if f != font]
+        matplotlib.rcParams['font.family'] = families + [font]
+        _CJK_STATE['active'] = True
+    return font
+
+
+def tr(text, **fields):
+    """Figure text in the notebook's language: tr('time (ms)'), tr('step {t}', t=3).
+
+    In Chinese notebooks the text is looked up in FIGURE_TEXT and the figure
+    font gains Chinese glyphs. Without a Chinese font the text stays English
+    (a one-time notice says how to install one), so no figure shows boxes.
+    """
+    out = text
+    if course_language() == 'zh' and text in FIGURE_TEXT:
+        if _use_cjk_font():
+            out = FIGURE_TEXT[text]
+        elif not _CJK_STATE.get('warned'):
+            _CJK_STATE['warned'] = True
+            print('没有找到中文字体，图中文字暂用英文。安装方法：sudo apt-get install fonts-wqy-microhei'
+                  '（Debian/Ubuntu），然后重启内核。')
+    return out.format(**fields) if fields else out
+
+
 def show_source(obj):
     """Show the source code of a function or class from common.py, highlighted in a notebook."""
     import inspect
@@ -360,7 +479,7 @@ def plot_timeline(spans, lanes=None, ax=None, title=None, unit='ms'):
                     fontsize=7, clip_on=True)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
-    ax.set_xlabel(f'time ({unit})')
+    ax.set_xlabel(tr('time ({unit})', unit=unit))
     ax.grid(True, axis='x', alpha=0.3)
     if title:
         ax.set_title(title)
@@ -1130,10 +1249,14 @@ class _ps_link:
         return False
 
 
-def _ps_wait(requests, what):
+def _ps_wait(requests, what, timeout=None):
+    import datetime
     with _ps_link(what):
         for request in requests:
-            request.wait()
+            if timeout is None:
+                request.wait()          # the process group's timeout (launch's op_timeout)
+            else:
+                request.wait(datetime.timedelta(seconds=timeout))
 
 
 def _ps_fault(run, role, index, step):
@@ -1152,8 +1275,11 @@ def ps_process(rank, world_size, run):
 
     Ranks 0 … servers-1 are servers, the rest workers. `run` holds servers,
     steps, batch_size (global), lr, and optionally seed, subset, piece (see
-    shard_keys), test_subset, fault (role, index, step, kind 'kill' or
-    'hang', stamp file) and checkpoint (dir, every, resume).
+    shard_keys), test_subset, timeout (seconds a server waits for a push;
+    workers wait twice as long for a pull, so that the server, which knows
+    who is missing, reports a silent worker first), fault (role, index,
+    step, kind 'kill' or 'hang', stamp file) and checkpoint (dir, every,
+    resume).
     """
     import torch.distributed as dist
     servers = run['servers']
@@ -1208,7 +1334,7 @@ def _ps_server(s, run, plan, workers, start):
         with _ps_link(what):
             requests = [dist.isend(values[p['key']], r, tag=plan.index(p))
                         for p in mine for r in workers]
-        _ps_wait(requests, what)
+        _ps_wait(requests, what, run.get('timeout'))
 
     send_to_workers(start)  # the first pull
     pushes, t0 = 0, time.perf_counter()
@@ -1217,9 +1343,11 @@ def _ps_server(s, run, plan, workers, start):
         for p in mine:
             grads = [torch.empty(p['stop'] - p['start']) for _ in workers]
             for w, (r, g) in enumerate(zip(workers, grads)):
-                with _ps_link(f'server {s} (rank {s}) waiting for the push of key {p["key"]} '
-                              f'from worker {w} (rank {r}) at step {step}'):
-                    dist.recv(g, r, tag=plan.index(p))
+                what = (f'server {s} (rank {s}) waiting for the push of key {p["key"]} '
+                        f'from worker {w} (rank {r}) at step {step}')
+                with _ps_link(what):
+                    request = dist.irecv(g, r, tag=plan.index(p))
+                _ps_wait([request], what, run.get('timeout'))
             store.push(p['key'], grads)
             pushes += len(grads)
         send_to_workers(step + 1)
@@ -1249,6 +1377,7 @@ def _ps_worker(w, run, plan, workers, start, worker_group):
     X_all, y_all = fashion_mnist_datasets(subset=run.get('subset'), download=False)[0].tensors
     order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(seed))
     params = [torch.zeros(shape, requires_grad=True) for shape in LENET_SHAPES]
+    patience = run.get('timeout') and 2 * run['timeout']  # a pull may wait for a slow peer
 
     def pull(step):
         bufs = [torch.empty(p['stop'] - p['start']) for p in plan]
@@ -1256,7 +1385,7 @@ def _ps_worker(w, run, plan, workers, start, worker_group):
                 f'from the servers (ranks 0-{servers - 1})')
         with _ps_link(what):
             requests = [dist.irecv(b, p['server'], tag=i) for i, (p, b) in enumerate(zip(plan, bufs))]
-        _ps_wait(requests, what)
+        _ps_wait(requests, what, patience)
         with torch.no_grad():
             for p, b in zip(plan, bufs):
                 params[p['param']].view(-1)[p['start']:p['stop']] = b
@@ -1282,7 +1411,7 @@ def _ps_worker(w, run, plan, workers, start, worker_group):
                     dist.all_reduce(g, group=worker_group)
                 by_allreduce = [q - lr * g / len(batch) for q, g in zip(params, grads)]
         pull(step + 1)
-        _ps_wait(requests, what)
+        _ps_wait(requests, what, run.get('timeout'))
         if step == start:
             step_diff = max(float((q.detach() - a).abs().max()) for q, a in zip(params, by_allreduce))
         for q in params:
@@ -1447,7 +1576,7 @@ def _exit_text(code):
 
 def _raise_first_error(rank, payload, results, procs, names, grace=1.0):
     # Peers of a failed worker fail too (connection closed): wait a moment for
-    # their reports and raise the error that happened first, the root cause.
+    # their reports and raise the root cause.
     # A process that died without reporting (killed, crashed) is the root
     # cause of everything its peers report, so it is named first.
     import pickle
@@ -1461,7 +1590,10 @@ def _raise_first_error(rank, payload, results, procs, names, grace=1.0):
             break
         if status == 'error':
             errors.append((p[2], r, p))
-    _, rank, (exc, tb, _) = min(errors, key=lambda e: e[0])
+    # A closed connection is a consequence (the peer died, timed out or gave up first):
+    # prefer any other error, then the earliest.
+    secondary = ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe')
+    _, rank, (exc, tb, _) = min(errors, key=lambda e: (any(s in e[2][1] for s in secondary), e[0]))
     remote = _RemoteTraceback(f'\n--- worker {_label(rank, names)} ---\n{tb}')
     reported = {e[1] for e in errors}
     silent = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
@@ -1504,3 +1636,10 @@ def _collect(procs, results, timeout, names=None):
             _raise_first_error(rank, payload, results, procs, names)
         done[rank] = payload
     return [done[r] for r in range(len(procs))]
+
+
+# A Chinese notebook's figures need the Chinese font before the first figure is
+# made: matplotlib fixes a text's font family when the axes are created, so
+# turning it on at the first tr() would be too late for labels set afterwards.
+if course_language() == 'zh' and 'IPython' in sys.modules and _in_notebook():
+    _use_cjk_font()

@@ -1,6 +1,7 @@
 """Unit tests of common.py, bad input included."""
 import gzip
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -638,9 +639,10 @@ def test_parameter_server_names_a_killed_process(fashion_mnist, role, noticed):
 
 def test_parameter_server_times_out_on_a_silent_worker(fashion_mnist, tmp_path):
     stamp = tmp_path / 'fault-time'
-    run = dict(PS_RUN, steps=4, fault=dict(role='worker', index=1, step=1, kind='hang', stamp=str(stamp)))
+    run = dict(PS_RUN, steps=4, timeout=3,
+               fault=dict(role='worker', index=1, step=1, kind='hang', stamp=str(stamp)))
     with pytest.raises(common.PSFault, match=r'from worker 1 \(rank 3\) at step 1.*Timed out'):
-        common.launch(common.ps_process, 4, run, names=ROLES, op_timeout=3, timeout=60)
+        common.launch(common.ps_process, 4, run, names=ROLES, timeout=60)
     assert 3 <= time.time() - float(stamp.read_text()) < 20
 
 
@@ -667,3 +669,69 @@ def test_launch_names_the_killed_process_not_the_peer_that_noticed():
         common.launch(workers.killed_while_peer_waits, 2, names=['first', 'second'], timeout=60)
     with pytest.raises(ValueError, match='names has 1 entries for 2 processes'):
         common.launch(workers.rank_and_world, 2, names=['lonely'])
+
+
+# ------------------------------------------------------- figures in Chinese
+
+def _tr_literals():
+    import ast
+    sys.path.insert(0, str(TESTS.parent / 'tools'))
+    import nbpair
+    found = set()
+    for src in nbpair.sources():
+        for cell in nbpair.parse(src):
+            if cell['type'] != 'code':
+                continue
+            try:
+                tree = ast.parse(cell['en'])
+            except SyntaxError:  # IPython syntax (%%writefile, !cmd)
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and getattr(node.func, 'attr', None) == 'tr' \
+                        and node.args and isinstance(node.args[0], ast.Constant):
+                    found.add(node.args[0].value)
+    return found
+
+
+def test_every_figure_text_in_the_notebooks_has_a_chinese_translation():
+    literals = _tr_literals()
+    assert len(literals) > 40
+    missing = sorted(literals - set(common.FIGURE_TEXT))
+    assert not missing, f'add these to common.FIGURE_TEXT: {missing}'
+    cjk = re.compile(r'[\u3400-\u9fff]')
+    assert all(cjk.search(v) and not cjk.search(k) for k, v in common.FIGURE_TEXT.items()), \
+        'keys are English, values Chinese'
+
+
+def test_tr_keeps_english_in_english_notebooks(monkeypatch):
+    monkeypatch.setenv('COURSE_LANG', 'en')
+    assert common.tr('step {t}', t=3) == 'step 3'
+    assert common.tr('not in the table') == 'not in the table'
+
+
+def test_chinese_figure_text_renders_without_missing_glyphs(monkeypatch):
+    import warnings
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    if common.cjk_font() is None:
+        if os.environ.get('CI'):
+            pytest.fail('no Chinese font: ./course setup installs fonts-wqy-microhei')
+        pytest.skip('no Chinese font on this machine')
+    monkeypatch.setenv('COURSE_LANG', 'zh')
+    assert common.tr('step {t}', t=3) == '第 3 步'
+    fig, ax = plt.subplots()
+    ax.set(xlabel=common.tr('number of devices'), title=common.tr('memory pinned by the queue'))
+    ax.plot([1, 2], [3, -4])
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # matplotlib warns "Glyph ... missing from font(s)"
+        fig.canvas.draw()
+    plt.close(fig)
+    assert ax.get_xlabel() == '设备数'
+
+
+def test_launch_op_timeout_bounds_a_receive():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match='Timed out'):
+        common.launch(workers.receive_from_a_sleeper, 2, op_timeout=2, timeout=60)
+    assert time.monotonic() - start < 30

@@ -86,6 +86,8 @@ def test_outputs_come_from_one_clean_run(name, lang):
         're-execute the notebook top to bottom (python tools/nbpair.py build ...)'
     for c in code:
         assert not [o for o in c.outputs if o.output_type == 'error'], f'stored error in: {c.source[:60]}'
+        stderr = [o.text for o in c.outputs if o.output_type == 'stream' and o.name == 'stderr']
+        assert not stderr, f'stored warning or stderr output in: {c.source[:60]}\n{stderr[0][:300]}'
 
 
 @pytest.mark.parametrize('lang,other', [('en', 'zh'), ('zh', 'en')])
@@ -96,3 +98,16 @@ def test_navigation_line_top_and_bottom(name, lang, other):
         assert f'](../{other}/{name})' in text, f'{where} navigation line lacks the {other} link'
         for target in re.findall(r'\]\(([^)#]+\.ipynb)', text):
             assert (ROOT / 'notebooks' / lang / target).resolve().exists(), f'broken link {target}'
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_slide_metadata_is_complete_and_current(name):
+    en, zh = load(EN / name), load(ZH / name)
+    kinds = [c.metadata.get('slideshow', {}).get('slide_type') for c in en.cells]
+    assert kinds == [c.metadata.get('slideshow', {}).get('slide_type') for c in zh.cells], \
+        'en and zh must have the same slides'
+    assert kinds[0] == 'slide' and set(kinds) <= {'slide', 'subslide', '-'}
+    for cell, kind in zip(en.cells, kinds):
+        if cell.cell_type == 'markdown' and cell.source.startswith('## '):
+            assert kind == 'slide', f'a level-2 heading must start a slide: {cell.source[:40]}'
+    assert kinds == nbpair.slide_types(en), 'stale slide metadata: python tools/nbpair.py slides'

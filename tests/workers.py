@@ -60,3 +60,10 @@ def check_a_broken_ring(rank, world_size, numel):
             chunks[(r - step - 1) % n] += incoming
     common.RING_ALGORITHMS['broken'] = reduce_scatter_only
     return common.ring_check(rank, world_size, numel, 'broken')
+
+
+def receive_from_a_sleeper(rank, world_size):
+    import torch
+    if rank == 0:
+        time.sleep(600)
+    dist.recv(torch.empty(1), 0)

@@ -14,6 +14,13 @@ A source is a sequence of cells, each opened by a line that starts with '%% ':
 Tags are cell tags, e.g. nbval-ignore-output for cells whose output depends on
 the run (timings, hardware). `build` writes both notebooks and executes each
 top to bottom in its own folder, so they carry the outputs of one clean run.
+
+Every cell also gets slide metadata for presenting (`jupyter nbconvert --to
+slides`, JupyterLab's RISE): a level-1 or level-2 heading starts a slide, a
+level-3 heading a sub-slide, and a cell that would overflow the current slide
+(estimated from its text and the stored outputs of the English notebook)
+starts a sub-slide, so one idea sits on each slide. Both languages get the
+same slide structure. `python tools/nbpair.py slides` redoes only this.
 """
 import argparse
 import io
@@ -90,6 +97,71 @@ def make_notebook(cells, lang):
     return nb
 
 
+SLIDE_LINES = 24      # lines of text that fit on one slide at the export's size
+CHARS_PER_LINE = 100  # characters per line of prose on a slide
+
+
+def _png_height(data):
+    import base64
+    import struct
+    raw = base64.b64decode(data[:64])
+    return struct.unpack('>I', raw[20:24])[0] if raw[:8] == b'\x89PNG\r\n\x1a\n' else 300
+
+
+def _text_lines(text, width=CHARS_PER_LINE):
+    return sum(max(1, -(-len(line) // width)) for line in text.splitlines())
+
+
+def cell_lines(cell):
+    """Estimated height of a cell on a slide, in lines of text."""
+    import re
+    if cell.cell_type == 'markdown':
+        text = re.sub(r'<details>.*?</details>', '<details>', cell.source, flags=re.S)  # folded
+        return _text_lines(text) + text.count('\n\n') // 2
+    lines = len(cell.source.splitlines())
+    for out in cell.get('outputs', []):
+        if out.output_type == 'stream':
+            lines += _text_lines(out.text)
+        elif out.output_type == 'error':
+            lines += len(out.traceback)
+        else:
+            data = out.get('data', {})
+            if 'image/png' in data:
+                lines += _png_height(data['image/png']) // 20
+            elif 'application/vnd.jupyter.widget-view+json' in data:
+                lines += 8
+            elif 'text/markdown' in data:
+                lines += _text_lines(data['text/markdown'])
+            else:
+                lines += _text_lines(data.get('text/plain', ''))
+    return lines
+
+
+def slide_types(nb):
+    """One slide type per cell: 'slide', 'subslide' or '-' (continue the current one)."""
+    types, used = [], 0
+    for i, cell in enumerate(nb.cells):
+        height = cell_lines(cell)
+        first = cell.source.lstrip().split('\n', 1)[0] if cell.cell_type == 'markdown' else ''
+        if i == 0 or first.startswith(('# ', '## ')):
+            kind = 'slide'
+        elif first.startswith('### ') or (used and used + height > SLIDE_LINES):
+            kind = 'subslide'
+        else:
+            kind = '-'
+        used = height if kind != '-' else used + height
+        types.append(kind)
+    return types
+
+
+def set_slides(notebooks):
+    """Give every language the slide structure computed from the first (English) notebook."""
+    types = slide_types(notebooks[0])
+    for nb in notebooks:
+        for cell, kind in zip(nb.cells, types):
+            cell.metadata['slideshow'] = {'slide_type': kind}
+
+
 def target(src, lang):
     return NOTEBOOKS / lang / (Path(src).stem + '.ipynb')
 
@@ -98,6 +170,7 @@ def build(src, execute=True, timeout=600):
     import time
     from nbclient import NotebookClient
     cells = parse(src)
+    notebooks = []
     for lang in LANGS:
         nb = make_notebook(cells, lang)
         path = target(src, lang)
@@ -107,6 +180,18 @@ def build(src, execute=True, timeout=600):
             NotebookClient(nb, timeout=timeout, kernel_name='python3',
                            resources={'metadata': {'path': str(path.parent)}}).execute()
             print(f'{path.relative_to(ROOT)}: executed in {time.perf_counter() - t:.1f} s')
+        notebooks.append(nb)
+    set_slides(notebooks)
+    for lang, nb in zip(LANGS, notebooks):
+        nbformat.write(nb, target(src, lang))
+
+
+def resplit(src):
+    """Recompute the slide metadata of a built pair from its stored outputs."""
+    paths = [target(src, lang) for lang in LANGS]
+    notebooks = [nbformat.read(p, as_version=4) for p in paths]
+    set_slides(notebooks)
+    for path, nb in zip(paths, notebooks):
         nbformat.write(nb, path)
 
 
@@ -143,10 +228,15 @@ def main(argv=None):
     b.add_argument('--all', action='store_true')
     b.add_argument('--no-execute', action='store_true')
     sub.add_parser('check', help='report notebooks that do not match their source')
+    sub.add_parser('slides', help='recompute the slide metadata of every pair')
     args = ap.parse_args(argv)
     if args.cmd == 'build':
         for src in (sources() if args.all else args.src):
             build(src, execute=not args.no_execute)
+        return 0
+    if args.cmd == 'slides':
+        for src in sources():
+            resplit(src)
         return 0
     problems = [p for src in sources() for p in mismatches(src)]
     print('\n'.join(problems) or 'all notebooks match their sources')

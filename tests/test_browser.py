@@ -1,0 +1,175 @@
+"""The course as a student meets it: JupyterLab in a real (headless) browser, every cell run.
+
+Starts JupyterLab from this environment on a copy of the notebooks, opens one
+notebook per language in Chromium, runs all cells from the Run menu, and checks
+that every cell ran, no cell shows an error or a warning, every figure rendered
+and (in 07) the interactive calculator appeared. A screenshot of each is kept
+in artifacts/browser/. Chromium and its driver come from Debian's packages,
+installed by `./course test`; without them the test is skipped, except in CI.
+"""
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+import common
+
+ROOT = Path(__file__).resolve().parent.parent
+SHOTS = ROOT / 'artifacts' / 'browser'
+CASES = [('en', '07-parameter-servers'), ('zh', '04-hardware')]
+
+
+def _browser():
+    chromium = next(filter(None, map(shutil.which, ('chromium', 'chromium-browser', 'google-chrome'))), None)
+    driver = shutil.which('chromedriver') or next(
+        (p for p in ('/usr/bin/chromedriver', '/usr/lib/chromium/chromedriver') if os.path.exists(p)), None)
+    if not (chromium and driver):
+        if os.environ.get('CI'):
+            pytest.fail('Chromium or chromedriver is missing: ./course test installs them '
+                        '(Debian packages chromium and chromium-driver).')
+        pytest.skip('Chromium and chromedriver are not installed (sudo apt-get install chromium chromium-driver)')
+    pytest.importorskip('selenium')
+    return chromium, driver
+
+
+@pytest.fixture(scope='module')
+def lab(tmp_path_factory):
+    """A JupyterLab server on a copy of the notebooks; yields (url, token)."""
+    _browser()
+    home = tmp_path_factory.mktemp('lab')
+    root = home / 'course'
+    for lang in ('en', 'zh'):
+        shutil.copytree(ROOT / 'notebooks' / lang, root / lang,
+                        ignore=shutil.ignore_patterns('artifacts', '.ipynb_checkpoints'))
+    # Render every cell (no windowing), so that all outputs are in the page to be checked.
+    settings = home / 'settings' / '@jupyterlab' / 'notebook-extension'
+    settings.mkdir(parents=True)
+    (settings / 'tracker.jupyterlab-settings').write_text(json.dumps({'windowingMode': 'none'}))
+    port, token = common.free_port(), secrets.token_hex(16)
+    log = open(home / 'lab.log', 'w')
+    env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(home / 'settings'),
+               JUPYTERLAB_WORKSPACES_DIR=str(home / 'workspaces'))
+    server = subprocess.Popen(
+        [sys.executable, '-m', 'jupyter', 'lab', '--no-browser', '--allow-root', f'--port={port}',
+         '--ServerApp.ip=127.0.0.1', f'--IdentityProvider.token={token}',
+         f'--ServerApp.root_dir={root}'],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f'http://127.0.0.1:{port}'
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if requests.get(f'{url}/api/status', params={'token': token}, timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail('JupyterLab did not start:\n' + (home / 'lab.log').read_text()[-3000:])
+            time.sleep(0.5)
+        yield url, token
+    finally:
+        common._stop_tree(server)
+        log.close()
+
+
+@pytest.fixture(scope='module')
+def browser(lab):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    chromium, driver = _browser()
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--window-size=1400,1000',
+                '--lang=en-US'):
+        options.add_argument(arg)
+    browser = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield browser
+    finally:
+        browser.quit()
+
+
+def _wait(browser, condition, seconds, what):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        result = browser.execute_script(condition)
+        if result:
+            return result
+        time.sleep(0.5)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SHOTS / f'failed-{int(time.time())}.png'
+    browser.save_screenshot(str(shot))
+    raise AssertionError(f'gave up after {seconds} s waiting for {what}; screenshot {shot}')
+
+
+def _click_menu(browser, menu, label):
+    """Open a menu of JupyterLab's menu bar and click one of its items, as a user would."""
+    from selenium.webdriver.common.by import By
+    bar = browser.find_elements(By.CSS_SELECTOR, '.lm-MenuBar-item')
+    next(item for item in bar if item.text.strip() == menu).click()
+    find = ('return [...document.querySelectorAll(".lm-Menu-item")].find('
+            f'i => i.querySelector(".lm-Menu-itemLabel")?.textContent.trim() === {json.dumps(label)})')
+    _wait(browser, find, 10, f'{menu} → {label}').click()
+
+
+PAGE_STATE = '''
+const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+if (!panel) return null;
+const prompts = [...panel.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(p => p.textContent.trim());
+const images = [...panel.querySelectorAll('.jp-RenderedImage img')];
+return {
+  prompts: prompts,
+  busy: panel.querySelector('.jp-Notebook-ExecutionIndicator[data-status="busy"]') !== null,
+  errors: [...panel.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
+            .map(e => e.textContent.slice(0, 300)),
+  images: images.map(i => [i.complete, i.naturalWidth]),
+  widgets: panel.querySelectorAll('.jp-OutputArea-output .widget-slider, .jp-OutputArea-output .jupyter-widgets .widget-hslider').length,
+};
+'''
+
+
+@pytest.mark.parametrize('lang,name', CASES)
+def test_notebook_runs_in_jupyterlab_in_a_browser(lab, browser, lang, name):
+    import nbformat
+    url, token = lab
+    browser.get(f'{url}/lab/tree/{lang}/{name}.ipynb?token={token}')
+    _wait(browser, 'return document.querySelector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator'
+                   '[data-status=\\"idle\\"]")', 120, 'the notebook to open with an idle kernel')
+    stored = nbformat.read(ROOT / 'notebooks' / lang / f'{name}.ipynb', as_version=4)
+    code_cells = sum(c.cell_type == 'code' for c in stored.cells)
+    figures = sum('image/png' in o.get('data', {}) for c in stored.cells if c.cell_type == 'code'
+                  for o in c.outputs)
+    # Clear the stored outputs first, so that everything checked below comes from this run.
+    _click_menu(browser, 'Edit', 'Clear Outputs of All Cells')
+    _wait(browser, f'const s = (() => {{ {PAGE_STATE} }})(); return s && s.images.length === 0 && '
+                   's.prompts.every(p => p === "[ ]:")', 30, 'the outputs to clear')
+    start = time.monotonic()
+    _click_menu(browser, 'Run', 'Run All Cells')
+    # Done when every code cell shows an execution count and the kernel is idle again.
+    state = _wait(browser, f'const s = (() => {{ {PAGE_STATE} }})(); return s && !s.busy && '
+                           f's.prompts.length === {code_cells} && s.prompts.every(p => /^\\[\\d+\\]:$/.test(p))'
+                           f' ? s : null', 300, 'all cells to run')
+    seconds = time.monotonic() - start
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SHOTS / f'{lang}-{name}.png'))
+    first = browser.execute_script('const i = document.querySelector(".jp-NotebookPanel .jp-RenderedImage img");'
+                                   'if (i) i.scrollIntoView(); return i;')
+    if first:
+        time.sleep(0.5)
+        first.screenshot(str(SHOTS / f'{lang}-{name}-figure.png'))  # the first figure, as rendered
+    print(f'\n{lang}/{name}: {code_cells} cells ran in {seconds:.0f} s in the browser; '
+          f'{len(state["images"])} figures; screenshot {SHOTS / f"{lang}-{name}.png"}')
+    assert state['prompts'] == [f'[{i}]:' for i in range(1, code_cells + 1)], 'cells ran out of order'
+    assert not state['errors'], f'cells wrote errors or warnings: {state["errors"]}'
+    assert first and len(state['images']) == figures, \
+        f'{len(state["images"])} figures in the page, {figures} in the stored notebook'
+    assert all(done and width > 0 for done, width in state['images']), 'a figure did not render'
+    if name.startswith('07'):
+        assert state['widgets'] >= 4, 'the calculator (four sliders) did not render'
