@@ -119,6 +119,7 @@ def _click_menu(browser, menu, label):
     _wait(browser, find, 10, f'{menu} → {label}').click()
 
 
+VISIBLE = '.jp-NotebookPanel:not(.lm-mod-hidden)'  # the notebook in the current tab
 PAGE_STATE = '''
 const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
 if (!panel) return null;
@@ -140,8 +141,10 @@ def test_notebook_runs_in_jupyterlab_in_a_browser(lab, browser, lang, name):
     import nbformat
     url, token = lab
     browser.get(f'{url}/lab/tree/{lang}/{name}.ipynb?token={token}')
-    _wait(browser, 'return document.querySelector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator'
-                   '[data-status=\\"idle\\"]")', 120, 'the notebook to open with an idle kernel')
+    _wait(browser, f'const tab = document.querySelector(".lm-DockPanel-tabBar .lm-mod-current .lm-TabBar-tabLabel");'
+                   f'return tab && tab.textContent.trim() === "{name}.ipynb" && document.querySelector('
+                   f'"{VISIBLE} .jp-Notebook-ExecutionIndicator[data-status=\\"idle\\"]")',
+          120, 'the notebook to open with an idle kernel')
     stored = nbformat.read(ROOT / 'notebooks' / lang / f'{name}.ipynb', as_version=4)
     code_cells = sum(c.cell_type == 'code' for c in stored.cells)
     figures = sum('image/png' in o.get('data', {}) for c in stored.cells if c.cell_type == 'code'
@@ -159,7 +162,7 @@ def test_notebook_runs_in_jupyterlab_in_a_browser(lab, browser, lang, name):
     seconds = time.monotonic() - start
     SHOTS.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(SHOTS / f'{lang}-{name}.png'))
-    first = browser.execute_script('const i = document.querySelector(".jp-NotebookPanel .jp-RenderedImage img");'
+    first = browser.execute_script(f'const i = document.querySelector("{VISIBLE} .jp-RenderedImage img");'
                                    'if (i) i.scrollIntoView(); return i;')
     if first:
         time.sleep(0.5)
