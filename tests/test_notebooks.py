@@ -111,3 +111,23 @@ def test_slide_metadata_is_complete_and_current(name):
         if cell.cell_type == 'markdown' and cell.source.startswith('## '):
             assert kind == 'slide', f'a level-2 heading must start a slide: {cell.source[:40]}'
     assert kinds == nbpair.slide_types(en), 'stale slide metadata: python tools/nbpair.py slides'
+
+
+def test_prose_update_keeps_outputs_and_refuses_code_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(nbpair, 'NOTEBOOKS', tmp_path)
+    src = tmp_path / 'src' / '99-demo.txt'
+    src.parent.mkdir()
+    src.write_text('%% md\n# Demo\nold text\n%% zh\n# 演示\n旧的文字\n%% code\nprint(1)\n', encoding='utf-8')
+    for lang in nbpair.LANGS:
+        nb = nbpair.make_notebook(nbpair.parse(src), lang)
+        nb.cells[1].outputs = [nbformat.v4.new_output('stream', name='stdout', text='1\n')]
+        nbpair.target(src, lang).parent.mkdir(exist_ok=True)
+        nbformat.write(nb, nbpair.target(src, lang))
+    src.write_text(src.read_text(encoding='utf-8').replace('old text', 'new text'), encoding='utf-8')
+    nbpair.update_prose(src)
+    en = nbformat.read(nbpair.target(src, 'en'), as_version=4)
+    assert 'new text' in en.cells[0].source and en.cells[1].outputs[0].text == '1\n'
+    assert en.cells[0].metadata['slideshow']['slide_type'] == 'slide'
+    src.write_text(src.read_text(encoding='utf-8').replace('print(1)', 'print(2)'), encoding='utf-8')
+    with pytest.raises(SystemExit, match='run `build` instead'):
+        nbpair.update_prose(src)

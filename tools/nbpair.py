@@ -20,7 +20,9 @@ slides`, JupyterLab's RISE): a level-1 or level-2 heading starts a slide, a
 level-3 heading a sub-slide, and a cell that would overflow the current slide
 (estimated from its text and the stored outputs of the English notebook)
 starts a sub-slide, so one idea sits on each slide. Both languages get the
-same slide structure. `python tools/nbpair.py slides` redoes only this.
+same slide structure. `python tools/nbpair.py slides` redoes only this, and
+`python tools/nbpair.py prose <src>` copies corrected markdown into a built
+pair without re-running it (it refuses if any code changed).
 """
 import argparse
 import io
@@ -186,6 +188,30 @@ def build(src, execute=True, timeout=600):
         nbformat.write(nb, target(src, lang))
 
 
+def update_prose(src):
+    """Copy the markdown of a source into its built pair without re-running the code.
+
+    For corrections of the text only: refuses if any code cell, tag or the
+    cell structure has changed, since those need a new run (`build`).
+    """
+    cells = parse(src)
+    paths = [target(src, lang) for lang in LANGS]
+    notebooks = [nbformat.read(p, as_version=4) for p in paths]
+    for lang, nb in zip(LANGS, notebooks):
+        want = make_notebook(cells, lang).cells
+        if [(c.cell_type, c.metadata.get('tags', [])) for c in nb.cells] != \
+           [(c.cell_type, c.metadata.get('tags', [])) for c in want] or \
+           [c.source for c in nb.cells if c.cell_type == 'code'] != \
+           [c.source for c in want if c.cell_type == 'code']:
+            raise SystemExit(f'{Path(src).name}: code or structure changed; run `build` instead.')
+        for have, new in zip(nb.cells, want):
+            if have.cell_type == 'markdown':
+                have.source = new.source
+    set_slides(notebooks)
+    for path, nb in zip(paths, notebooks):
+        nbformat.write(nb, path)
+
+
 def resplit(src):
     """Recompute the slide metadata of a built pair from its stored outputs."""
     paths = [target(src, lang) for lang in LANGS]
@@ -229,10 +255,16 @@ def main(argv=None):
     b.add_argument('--no-execute', action='store_true')
     sub.add_parser('check', help='report notebooks that do not match their source')
     sub.add_parser('slides', help='recompute the slide metadata of every pair')
+    prose = sub.add_parser('prose', help='copy corrected markdown into built pairs, no re-run')
+    prose.add_argument('src', nargs='+')
     args = ap.parse_args(argv)
     if args.cmd == 'build':
         for src in (sources() if args.all else args.src):
             build(src, execute=not args.no_execute)
+        return 0
+    if args.cmd == 'prose':
+        for src in args.src:
+            update_prose(src)
         return 0
     if args.cmd == 'slides':
         for src in sources():
