@@ -773,6 +773,18 @@ def split_batch(X, y, devices):
             [t.to(d) for t, d in zip(torch.tensor_split(y, len(devices)), devices)])
 
 
+def batch_indices(order, step, batch_size, part=0, parts=1):
+    """Indices of `part` (of `parts`) of global minibatch number `step`.
+
+    Every rank walks the same `order` (a seeded permutation), cyclically, so
+    every global batch has exactly batch_size examples; each rank then takes
+    its own slice of it. Data-parallel workers and parameter-server workers
+    use this one rule, which is why their training steps can be compared.
+    """
+    batch = order[(step * batch_size + torch.arange(batch_size)) % len(order)]
+    return torch.tensor_split(batch, parts)[part]
+
+
 def sgd(params, lr, batch_size):
     """One SGD step in place, for gradients summed over `batch_size` examples; zero the gradients."""
     with torch.no_grad():
@@ -817,13 +829,12 @@ def dp_worker(rank, world_size, run):
     dist.barrier()
     start = time.perf_counter()
     for step in range(steps):
-        batch = order[(step * batch_size) % len(order):][:batch_size]
-        mine = torch.tensor_split(batch, world_size)[rank]
+        mine = batch_indices(order, step, batch_size, rank, world_size)
         X, y = X_all[mine].to(device), y_all[mine].to(device)
         torch.nn.functional.cross_entropy(lenet(X, params), y, reduction='sum').backward()
         for p in params:
             dist.all_reduce(p.grad)
-        sgd(params, lr, len(batch))
+        sgd(params, lr, batch_size)
     synchronize(device)
     dist.barrier()
     elapsed = time.perf_counter() - start
@@ -1394,8 +1405,7 @@ def _ps_worker(w, run, plan, workers, start, worker_group):
     losses, step_diff, t0 = [], None, time.perf_counter()
     for step in range(start, run['steps']):
         _ps_fault(run, 'worker', w, step)
-        batch = order[(step * batch_size) % len(order):][:batch_size]
-        mine = torch.tensor_split(batch, len(workers))[w]
+        mine = batch_indices(order, step, batch_size, w, len(workers))
         loss = torch.nn.functional.cross_entropy(lenet(X_all[mine], params), y_all[mine],
                                                  reduction='sum')
         loss.backward()
@@ -1409,7 +1419,7 @@ def _ps_worker(w, run, plan, workers, start, worker_group):
                 grads = [q.grad.clone() for q in params]
                 for g in grads:
                     dist.all_reduce(g, group=worker_group)
-                by_allreduce = [q - lr * g / len(batch) for q, g in zip(params, grads)]
+                by_allreduce = [q - lr * g / batch_size for q, g in zip(params, grads)]
         pull(step + 1)
         _ps_wait(requests, what, run.get('timeout'))
         if step == start:

@@ -438,6 +438,14 @@ def test_replica_devices_falls_back_and_refuses_nonsense(monkeypatch):
         common.replica_devices(0)
 
 
+def test_batch_indices_wrap_and_split_the_same_global_batch():
+    order = torch.arange(10)
+    assert common.batch_indices(order, 0, 4).tolist() == [0, 1, 2, 3]
+    assert common.batch_indices(order, 2, 4).tolist() == [8, 9, 0, 1]   # full size at the wrap
+    parts = [common.batch_indices(order, 2, 4, p, 3).tolist() for p in range(3)]
+    assert parts == [[8, 9], [0], [1]]
+
+
 def test_dp_worker_ranks_agree_and_match_one_process(fashion_mnist):
     run = dict(batch_size=64, lr=0.2, steps=1, subset=256)
     two = common.launch(common.dp_worker, 2, run)
