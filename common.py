@@ -1,54 +1,106 @@
 """Shared helpers for the course 计算性能 · Computational Performance.
 
-Grouped in the order the notebooks meet them: language, devices and tiers,
-settings by hardware, timing, data, training, and worker processes.
-Every notebook does ``import common``; the set-up installs this file into the
-course's environment, so that works in JupyterLab, under nbval, and in
-processes started by ``torch.multiprocessing`` or ``torchrun``.
+Every notebook does ``import common``. The set-up installs this file into the
+course's environment, so the import works in JupyterLab, under nbval, and in
+the processes that ``torch.multiprocessing`` or ``torchrun`` start.
+
+The file reads in the course's order. Each public helper's docstring ends
+with the sections that use it ("Used in: ..."). The map:
+
+  language               all     say, tr, cjk_font: text and figures in the notebook's language
+  devices and tiers      00      num_gpus, try_gpu, gpu, try_all_gpus, detect_tier,
+                                 environment_report
+  settings by hardware   01-07   settings: one visible place per notebook, overridable
+  worker processes       00, 05-07
+                                 launch (gloo unless the caller asks for NCCL), worker_device,
+                                 WorkerError, allreduce_check, free_port, torchrun,
+                                 stop_process_tree
+                                 (infrastructure: you need not read it to follow the course)
+  measuring              01-05   synchronize, Timer, Benchmark, measure, verdict,
+                                 full_fp32, step_difference, step_tolerance,
+                                 quiet_native_stderr
+  pictures               02, 03, 07   plot_timeline, show_source
+  data                   00, 05-07    find_fashion_mnist, fashion_mnist_datasets,
+                                      load_data_fashion_mnist, FASHION_LABELS, clear_cache
+  training               05, 06  accuracy, evaluate_accuracy, Animator, sgd
+  data parallelism       05      lenet_params, lenet, get_params, allreduce, split_batch,
+                                 batch_indices, train_batch, replica_devices, dp_worker
+  concise multi-GPU      06      resnet18
+  parameter servers      07      sync_time, ps_time, hierarchical_time, sync_calculator,
+                                 ring_allreduce, ring_check, comm_benchmark, fit_alpha_beta,
+                                 ring_model, KVStore, shard_keys, ps_process
 """
 import ast
+import contextlib
+import datetime
 import gzip
+import inspect
+import math
 import os
+import pickle
 import platform
+import queue
+import re
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent
 if not torch.cuda.is_available():
-    # A CUDA build of PyTorch on a machine without CUDA logs a timestamped
+    # Import-time adjustment (one of two; the other is the Chinese font below):
+    # a CUDA build of PyTorch on a machine without CUDA logs a timestamped
     # "No CUDA runtime is found" at its first compilation; it is irrelevant here.
     import logging
     logging.getLogger('torch.utils.cpp_extension').setLevel(logging.ERROR)
+
 
 # ---------------------------------------------------------------- language
 
 
 def course_language():
-    """'zh' when run from a notebooks/zh folder (or COURSE_LANG=zh), else 'en'."""
+    """'zh' in a kernel started in notebooks/zh (or with COURSE_LANG=zh), else 'en'.
+
+    nbval and JupyterLab start a notebook's kernel in the notebook's folder.
+    Used by say() and tr().
+    """
     lang = os.environ.get('COURSE_LANG')
     if lang in ('en', 'zh'):
         return lang
-    return 'zh' if 'zh' in Path.cwd().parts[-2:] else 'en'
+    cwd = Path.cwd()
+    return 'zh' if cwd.name == 'zh' and cwd.parent.name == 'notebooks' else 'en'
 
 
 def say(en, zh):
-    """Pick the English or the Chinese text by course_language()."""
+    """Pick the English or the Chinese text by course_language(). Used in: every section."""
     return zh if course_language() == 'zh' else en
 
 
-# English text in figures -> Chinese, for tr(). Keys are exactly what the notebooks pass.
+# English text in figures (tr) and verdict lines (verdict) -> Chinese. Keys are exactly
+# what the notebooks pass, so code cells stay the same, and free of Chinese, in both languages.
 FIGURE_TEXT = {
     # 00: Fashion-MNIST classes
     't-shirt': 'T恤', 'trouser': '裤子', 'pullover': '套衫', 'dress': '连衣裙', 'coat': '外套',
     'sandal': '凉鞋', 'shirt': '衬衫', 'sneaker': '运动鞋', 'bag': '包', 'ankle boot': '短靴',
+    # 00: the verdict example
+    'time of sum(list) over torch.sum': 'sum(list) 与 torch.sum 的耗时之比',
+    'no real difference: something else dominates here': '没有实质差别：这里由别的因素主导',
+    'sum(list) handles one Python object per number: overhead-bound':
+        'sum(list) 每个数都要处理一个 Python 对象：受开销限制',
     # 01
     'batch size': '批量大小', 'µs per sample': '每个样本耗时（µs）',
     '512-256-128-2 MLP, inference': '512-256-128-2 多层感知机，推理',
@@ -114,6 +166,7 @@ def cjk_font():
 
     Looks through matplotlib's font list first, then through the system's
     font files (a font installed after matplotlib built its cache).
+    Used by tr() and by the set-up's font check.
     """
     if 'font' not in _CJK_STATE:
         from matplotlib import font_manager
@@ -151,6 +204,7 @@ def tr(text, **fields):
     In Chinese notebooks the text is looked up in FIGURE_TEXT and the figure
     font gains Chinese glyphs. Without a Chinese font the text stays English
     (a one-time notice says how to install one), so no figure shows boxes.
+    Used in: 00-07 (every figure).
     """
     out = text
     if course_language() == 'zh' and text in FIGURE_TEXT:
@@ -163,26 +217,33 @@ def tr(text, **fields):
     return out.format(**fields) if fields else out
 
 
-def show_source(obj):
-    """Show the source code of a function or class from common.py, highlighted in a notebook."""
-    import inspect
-    code = inspect.getsource(obj)
+def _in_notebook():
+    # True inside a Jupyter kernel (not in a plain script, a test or a worker process).
     try:
         from IPython import get_ipython
-        from IPython.display import Markdown, display
-        if get_ipython() is not None:
-            display(Markdown(f'```python\n{code}```'))
-            return
     except ImportError:
-        pass
-    print(code)
+        return False
+    shell = get_ipython()
+    return shell is not None and 'IPKernelApp' in shell.config
+
+
+# Import-time adjustment (one of two; the other silences cpp_extension above):
+# a Chinese notebook's figures need the Chinese font before the first figure is
+# made. matplotlib fixes a text's font family when the axes are created, so
+# turning it on at the first tr() would be too late for labels set afterwards.
+if course_language() == 'zh' and 'IPython' in sys.modules and _in_notebook():
+    _use_cjk_font()
 
 
 # ---------------------------------------------------------- devices, tiers
 
 
 def num_gpus():
-    """Number of CUDA GPUs this process can see."""
+    """Number of CUDA GPUs this process can see. Used in: 00, 05, 06.
+
+    Every decision the course makes about GPUs goes through torch.cuda's
+    is_available() and device_count(): the tests fake a GPU count there.
+    """
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -192,13 +253,13 @@ def _check_index(i):
 
 
 def try_gpu(i=0):
-    """Return cuda:i if it exists, otherwise the CPU."""
+    """Return cuda:i if it exists, otherwise the CPU. Used in: 01, 02, 04, 05."""
     _check_index(i)
     return torch.device(f'cuda:{i}') if i < num_gpus() else torch.device('cpu')
 
 
 def gpu(i=0):
-    """Return cuda:i, or raise a clear error when this machine has no such GPU."""
+    """Return cuda:i, or raise a clear error when this machine has no such GPU. Used in: 00, 04."""
     _check_index(i)
     n = num_gpus()
     if i >= n:
@@ -211,7 +272,7 @@ def gpu(i=0):
 
 
 def try_all_gpus():
-    """All GPUs as a list; [cpu] when there is none (never empty)."""
+    """All GPUs as a list; [cpu] when there is none (never empty). Used in: 00, 03, 06."""
     return [torch.device(f'cuda:{i}') for i in range(num_gpus())] or [torch.device('cpu')]
 
 
@@ -224,7 +285,11 @@ TIER_TEXT = {
 
 
 def detect_tier():
-    """The hardware tier of this machine: 'T0', 'T1', 'T2' or 'T3' (see COURSE.md)."""
+    """The hardware tier: 'T0' (CPU only), 'T1' (one GPU), 'T2' (several GPUs), 'T3' (several machines).
+
+    T3 is recognised under torchrun when WORLD_SIZE exceeds LOCAL_WORLD_SIZE.
+    Used by settings() and environment_report().
+    """
     world = int(os.environ.get('WORLD_SIZE', '1'))
     local = int(os.environ.get('LOCAL_WORLD_SIZE', world))
     if world > local:
@@ -234,9 +299,11 @@ def detect_tier():
 
 
 def hardware_summary():
-    """A dict describing this machine: Python, PyTorch, CPU, GPUs, tier."""
+    """A dict describing this machine: Python, PyTorch, CPU, GPUs, tier.
+
+    Used by environment_report() (00).
+    """
     gpus = [torch.cuda.get_device_name(i) for i in range(num_gpus())]
-    mps = getattr(torch.backends, 'mps', None)
     return {
         'python': platform.python_version(),
         'torch': torch.__version__,
@@ -244,13 +311,12 @@ def hardware_summary():
         'cpu_cores': os.cpu_count(),
         'torch_threads': torch.get_num_threads(),
         'gpus': gpus,
-        'mps': bool(mps and mps.is_available()),
         'tier': detect_tier(),
     }
 
 
 def environment_report(data_root=None):
-    """Print what this machine is and what the course can do for real on it."""
+    """Print what this machine is and what the course can do for real on it. Used in: 00."""
     info = hardware_summary()
     tier = info['tier']
     try:
@@ -301,9 +367,22 @@ def environment_report(data_root=None):
 SETTINGS_ENV = 'COURSE_SETTINGS'
 
 
+def _split_top_level(text):
+    # "T0, sizes=[1, 2], lr=0.1" -> ['T0', 'sizes=[1, 2]', 'lr=0.1']: commas inside brackets stay.
+    parts, depth, current = [], 0, ''
+    for ch in text:
+        depth += (ch in '([{') - (ch in ')]}')
+        if ch == ',' and depth == 0:
+            parts.append(current)
+            current = ''
+        else:
+            current += ch
+    return [p.strip() for p in parts + [current] if p.strip()]
+
+
 def _parse_override(text):
     tier, values = None, {}
-    for part in filter(None, (p.strip() for p in text.split(','))):
+    for part in _split_top_level(text):
         if '=' not in part:
             if part.upper() not in TIER_TEXT:
                 raise ValueError(
@@ -319,36 +398,398 @@ def _parse_override(text):
     return tier, values
 
 
+def _fits(value, examples):
+    # Does an override have the type of the notebook's own values for that key?
+    for example in examples:
+        if example is None:
+            if value is None:
+                return True
+        elif isinstance(example, bool) or isinstance(value, bool):
+            if isinstance(value, bool) and isinstance(example, bool):
+                return True
+        elif isinstance(example, (int, float)):
+            if isinstance(value, int) or (isinstance(value, float) and isinstance(example, float)):
+                return True
+        elif isinstance(example, (list, tuple)):
+            if isinstance(value, (list, tuple)):
+                return True
+        elif isinstance(value, type(example)):
+            return True
+    return False
+
+
+def _type_names(examples):
+    names = {'NoneType': 'None', 'tuple': 'list', 'list': 'list'}
+    return ' or '.join(sorted({names.get(type(e).__name__, type(e).__name__) for e in examples}))
+
+
 def settings(**per_tier):
     """Pick this notebook's settings by hardware tier, apply COURSE_SETTINGS, print them.
 
-    Call as settings(T0=dict(...), T1=dict(...), ...); T0 is required and a
-    missing tier falls back to the next lower one. COURSE_SETTINGS may name a
-    tier and/or override values, e.g. COURSE_SETTINGS="T0,epochs=3".
+    Call as settings(T0=dict(...), T1=dict(...), ...). T0 is required and
+    names every setting with its CPU value; a higher tier lists only what
+    changes there and inherits the rest from the tiers below it. So a
+    CPU-sized experiment (threads, CPU processes) keeps its T0 size on a
+    machine with GPUs unless a tier changes it on purpose.
+
+    COURSE_SETTINGS may name a tier and/or change values, for example
+    COURSE_SETTINGS="T0,epochs=3"; each value must have the type the notebook
+    uses for that key. The printed line says which tier's settings were used
+    and, only when there was one, what the override changed.
+    Used in: 01-07 (first code cell).
     """
     if 'T0' not in per_tier or set(per_tier) - set(TIER_TEXT):
         raise ValueError('settings() needs T0=dict(...) and accepts only T0..T3.')
-    tier, overrides = _parse_override(os.environ.get(SETTINGS_ENV, ''))
-    tier = tier or detect_tier()
+    keys = set(per_tier['T0'])
+    for name, values in per_tier.items():
+        extra = set(values) - keys
+        if extra:
+            raise ValueError(f'settings(): {name} sets {sorted(extra)}, which T0 lacks; '
+                             'T0 must name every setting (with its CPU value).')
+    forced, overrides = _parse_override(os.environ.get(SETTINGS_ENV, ''))
+    tier = forced or detect_tier()
     order = list(TIER_TEXT)
-    chosen = next(t for t in reversed(order[:order.index(tier) + 1]) if t in per_tier)
-    values = dict(per_tier[chosen])
-    unknown = set(overrides) - set(values)
+    values, used = {}, []
+    for name in order[:order.index(tier) + 1]:
+        if name in per_tier:
+            values.update(per_tier[name])
+            used.append(name)
+    unknown = set(overrides) - keys
     if unknown:
         raise ValueError(f'{SETTINGS_ENV}: unknown setting(s) {sorted(unknown)}; '
-                         f'this notebook has {sorted(values)}.')
-    values.update(overrides)
+                         f'this notebook has {sorted(keys)}.')
+    for key, value in overrides.items():
+        examples = [v[key] for v in per_tier.values() if key in v]
+        if not _fits(value, examples):
+            raise ValueError(f'{SETTINGS_ENV}: {key}={value!r} is not a {_type_names(examples)} '
+                             f'(this notebook uses {key}={per_tier["T0"][key]!r} on T0).')
+        if isinstance(value, (list, tuple)) and isinstance(examples[0], (list, tuple)):
+            value = type(examples[0])(value)
+        values[key] = value
     shown = ', '.join(f'{k}={v!r}' for k, v in values.items())
-    print(f'tier {tier} ({TIER_TEXT[tier][0]}), settings of {chosen}: {shown}'
-          f'  [override: {SETTINGS_ENV}]')
+    source = used[-1] if len(used) == 1 else ' + '.join(reversed(used))
+    line = say(f'tier {tier} ({TIER_TEXT[tier][0]}), settings of {source}: {shown}',
+               f'档位 {tier}（{TIER_TEXT[tier][1]}），采用 {source} 的设置：{shown}')
+    if forced or overrides:
+        changed = ([f'tier={forced}'] if forced else []) + [f'{k}={v!r}' for k, v in overrides.items()]
+        line += f'  [override: {SETTINGS_ENV} ' + ', '.join(changed) + ']'
+    print(line)
     return SimpleNamespace(tier=tier, **values)
 
 
-# ------------------------------------------------------------------ timing
+# ------------------------------------------------- worker processes (00, 05-07)
+# Infrastructure: you need not read this part to follow the course. What to
+# know: launch() runs a function in several processes joined by
+# torch.distributed, over gloo unless you ask for NCCL; a worker that wants
+# GPUs asks for them and then puts every tensor it sends on cuda:<its rank>.
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message holds its rank and traceback."""
+
+
+class _RemoteTraceback(Exception):
+    def __str__(self):
+        return self.args[0]
+
+
+def _watch_parent(parent_pid):
+    # Exit if the launching process disappears (kernel killed): no orphans.
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(0.5)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _worker_main(rank, world_size, port, backend, threads, fn, args, results, parent_pid,
+                 op_timeout=None):
+    """Entry point of a worker process started by launch()."""
+    _watch_parent(parent_pid)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR='127.0.0.1',
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    joined = False
+    try:
+        if backend == 'nccl':
+            torch.cuda.set_device(rank)
+        store = dist.TCPStore('127.0.0.1', port, world_size + 1, is_master=False)
+        extra = {} if op_timeout is None else {'timeout': datetime.timedelta(seconds=op_timeout)}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **extra)
+        joined = True
+        outcome = (rank, 'ok', fn(rank, world_size, *args))
+    except BaseException as e:
+        tb = traceback.format_exc()
+        try:
+            pickle.dumps(e)
+            exc = e
+        except Exception:
+            exc = None
+        outcome = (rank, 'error', (exc, tb, time.time()))
+    # Report before leaving the group: leaving makes peers fail, and their
+    # secondary errors must not arrive ahead of this one. Plain pickle copies
+    # tensors by value (torch's queue would share them through this process,
+    # which is about to exit).
+    try:
+        message = pickle.dumps(outcome)
+    except Exception:
+        message = pickle.dumps((rank, 'error', (None, f'result of rank {rank} cannot be pickled:\n'
+                                                   f'{traceback.format_exc()}', time.time())))
+    results.put(message)
+    if joined:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_timeout=None,
+           names=None):
+    """Run fn(rank, world_size, *args) in `world_size` processes joined by torch.distributed.
+
+    The backend is what you ask for: gloo (CPU tensors) unless backend='nccl',
+    which needs one GPU per process; each NCCL worker's current device is then
+    cuda:<rank>, and it must put every tensor it communicates there. launch
+    never picks NCCL by itself, however many GPUs the machine has.
+
+    fn must live in an importable module (common.py or a .py file), not in a
+    notebook. Returns the list of return values by rank. A worker's exception
+    is re-raised here with its traceback; a worker that dies without a word
+    is named; a hang raises TimeoutError after `timeout` seconds. No process
+    or port outlives the call. `threads` is each worker's PyTorch thread
+    count (default: the cores shared out). `op_timeout` (seconds) bounds every
+    single send, receive or collective inside the workers (torch's default
+    is 30 minutes); `names` labels the ranks in error messages, e.g. 'worker 1'.
+    Workers are daemon processes, so they cannot start DataLoader worker
+    processes of their own (num_workers must stay 0 inside fn).
+    Used in: 00, 05, 07.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f'world_size must be a whole number >= 1, got {world_size!r}.')
+    if getattr(fn, '__module__', None) == '__main__':
+        raise ValueError(
+            f'{fn.__name__} is defined in the notebook (module __main__); worker '
+            'processes cannot import it. Write it to a .py file (%%writefile my_worker.py), '
+            'import it from there, and launch that function.')
+    if backend not in ('gloo', 'nccl'):
+        raise ValueError(f"backend must be 'gloo' (CPU tensors) or 'nccl' (one GPU per process), "
+                         f'got {backend!r}.')
+    if backend == 'nccl' and num_gpus() < world_size:
+        raise ValueError(f'backend nccl needs one GPU per process: {world_size} processes, '
+                         f'{num_gpus()} GPU(s). Use backend="gloo" or fewer processes.')
+    if names is not None and len(names) != world_size:
+        raise ValueError(f'names has {len(names)} entries for {world_size} processes.')
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context('spawn')
+    results = ctx.Queue()
+    # The store lives here, on a port the OS picks, so parallel notebooks never collide.
+    store = dist.TCPStore('127.0.0.1', 0, world_size + 1, is_master=True, wait_for_workers=False)
+    procs = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_worker_main, daemon=True,
+                            args=(rank, world_size, store.port, backend, threads, fn, args,
+                                  results, os.getpid(), op_timeout))
+            p.start()
+            procs.append(p)
+        return _collect(procs, results, timeout, names)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+        del store
+
+
+def worker_device():
+    """The device a launch() worker computes and communicates on: cuda:<rank> under NCCL, else the CPU.
+
+    Call it inside a worker, after launch() has joined the process group.
+    Used by the workers of 00, 05 and 07.
+    """
+    return torch.device(f'cuda:{dist.get_rank()}') if dist.get_backend() == 'nccl' else torch.device('cpu')
+
+
+def allreduce_check(rank, world_size):
+    """Worker for launch(): all-reduce each rank's number; every rank returns the sum.
+
+    Rank r contributes r + 1, so every rank returns world_size·(world_size+1)/2.
+    Works over gloo and, with launch(..., backend='nccl'), on GPUs. Used in: 00.
+    """
+    t = torch.tensor([float(rank + 1)], device=worker_device())
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _label(rank, names):
+    return f'rank {rank} ({names[rank]})' if names else f'rank {rank}'
+
+
+def _exit_text(code):
+    if code is not None and code < 0:
+        try:
+            return f'code {code} ({signal.Signals(-code).name})'
+        except ValueError:
+            pass
+    return f'code {code}'
+
+
+def _raise_first_error(rank, payload, results, procs, names, grace=1.0):
+    # Peers of a failed worker fail too (connection closed): wait a moment for
+    # their reports and raise the root cause.
+    # A process that died without reporting (killed, crashed) is the root
+    # cause of everything its peers report, so it is named first.
+    errors = [(payload[2], rank, payload)]
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            r, status, p = pickle.loads(results.get(timeout=max(0.01, deadline - time.monotonic())))
+        except queue.Empty:
+            break
+        if status == 'error':
+            errors.append((p[2], r, p))
+    # A closed connection is a consequence (the peer died, timed out or gave up first):
+    # prefer any other error, then the earliest.
+    secondary = ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe')
+    _, rank, (exc, tb, _) = min(errors, key=lambda e: (any(s in e[2][1] for s in secondary), e[0]))
+    remote = _RemoteTraceback(f'\n--- worker {_label(rank, names)} ---\n{tb}')
+    reported = {e[1] for e in errors}
+    silent = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+    if silent:
+        r = silent[0]
+        last = tb.strip().splitlines()[-1] if tb.strip() else repr(exc)
+        raise WorkerError(f'{_label(r, names)} exited with {_exit_text(procs[r].exitcode)} without '
+                          f'reporting a result (killed or crashed); {_label(rank, names)} noticed '
+                          f'first: {last}') from remote
+    if exc is None:
+        raise WorkerError(f'worker {_label(rank, names)} failed:\n{tb}')
+    raise exc from remote
+
+
+def _collect(procs, results, timeout, names=None):
+    deadline = time.monotonic() + timeout
+    done = {}
+    while len(done) < len(procs):
+        try:
+            rank, status, payload = pickle.loads(results.get(timeout=0.2))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if r not in done and p.exitcode is not None]
+            if dead:
+                time.sleep(0.5)  # a message sent just before exit may still be in flight
+                if results.empty():
+                    r = dead[0]
+                    raise WorkerError(f'worker {_label(r, names)} exited with '
+                                      f'{_exit_text(procs[r].exitcode)} without reporting a '
+                                      'result (killed or crashed).')
+                continue
+            if time.monotonic() > deadline:
+                waiting = sorted(set(range(len(procs))) - set(done))
+                raise TimeoutError(f'worker rank(s) {waiting} did not finish within '
+                                   f'{timeout} s; all workers were stopped.')
+            continue
+        if status == 'error':
+            _raise_first_error(rank, payload, results, procs, names)
+        done[rank] = payload
+    return [done[r] for r in range(len(procs))]
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it first).
+
+    Used in: 06 (torchrun rendezvous) and the browser test.
+    """
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300):
+    """Run `script` with torchrun as `nnodes` launchers on this host; return each launcher's output.
+
+    One node uses --standalone (torchrun picks a free port). Several nodes meet through c10d
+    rendezvous on 127.0.0.1, as separate machines would. A failing script raises RuntimeError
+    with the end of its output; past `timeout` seconds everything is killed and TimeoutError
+    raised. No launcher or worker outlives the call: all launchers are watched
+    at once, so a node that fails early is reported at once. Used in: 06.
+    """
+    base = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nproc_per_node}']
+    if nnodes == 1:
+        commands = [base + ['--standalone', str(script), *map(str, args)]]
+    else:
+        rendezvous = [f'--nnodes={nnodes}', '--rdzv-backend=c10d', f'--rdzv-id={uuid.uuid4().hex[:8]}',
+                      f'--rdzv-endpoint=127.0.0.1:{free_port()}']
+        commands = [base + rendezvous + [str(script), *map(str, args)]] * nnodes
+    logs = [tempfile.TemporaryFile(mode='w+') for _ in commands]
+    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=hasattr(os, 'killpg')) for cmd, log in zip(commands, logs)]
+    def output(node):
+        logs[node].seek(0)
+        return logs[node].read()
+
+    try:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            failed = [node for node, p in enumerate(procs) if p.returncode]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for node, p in enumerate(procs):
+            if p.returncode:
+                raise RuntimeError(f'torchrun {script} (node {node}) exited with code {p.returncode}:\n'
+                                   + '\n'.join(output(node).splitlines()[-60:]))
+        if any(p.returncode is None for p in procs):
+            raise TimeoutError(f'torchrun {script} did not finish within {timeout} s; stopped it.')
+        return [output(node) for node in range(len(procs))]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                stop_process_tree(p)
+        for log in logs:
+            log.close()
+
+
+def stop_process_tree(popen, grace=5):
+    """Stop a subprocess.Popen and every process below it: terminate, then kill after `grace` s.
+
+    torchrun starts its workers in sessions of their own, so stopping a process
+    group is not enough. Used by torchrun() and the browser test.
+    """
+    try:
+        root = psutil.Process(popen.pid)
+        tree = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for proc in tree:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+    popen.wait()
+
+
+# --------------------------------------------------------------- measuring (01-04)
 
 
 def synchronize(device=None):
-    """Wait for queued kernels on a CUDA device, or on every GPU when device is None (no-op on the CPU)."""
+    """Wait for queued kernels on a CUDA device, or on every GPU when device is None (no-op on the CPU).
+
+    Used in: 02, 03, 05, and by every timing helper below.
+    """
     if device is None:
         for i in range(num_gpus()):
             torch.cuda.synchronize(i)
@@ -357,7 +798,7 @@ def synchronize(device=None):
 
 
 class Timer:
-    """Record several running times."""
+    """Record several running times (d2l's Timer). Used in: 05."""
 
     def __init__(self):
         self.times = []
@@ -380,16 +821,13 @@ class Timer:
         """Sum of the recorded times."""
         return sum(self.times)
 
-    def cumsum(self):
-        """Running total of the recorded times."""
-        return np.cumsum(self.times).tolist()
-
 
 class Benchmark:
     """Context manager that times its block, synchronising the device at both ends.
 
     sync=False stops the clock without waiting for queued GPU work: it then
     measures how long it took to *submit* the work (notebook 02 shows why).
+    Used in: 02, 04.
     """
 
     def __init__(self, description='Done', device=None, verbose=True, sync=True):
@@ -409,59 +847,172 @@ class Benchmark:
             print(f'{self.description}: {self.elapsed:.4f} sec')
 
 
-def median_time(fn, repeats=3, sync=True, device=None):
-    """Median seconds of fn() over `repeats` calls after one warm-up call.
+def measure(fn, *args, repeats=None, sync=True, device=None, min_run_time=0.2):
+    """Median seconds per call of fn(*args), after a warm-up call, device synchronised.
 
-    With sync=True the clock stops once the device (every GPU if device is None)
-    has finished; with sync=False it stops as soon as fn returns.
+    Without `repeats`, torch.utils.benchmark's blocked_autorange runs fn in
+    blocks until `min_run_time` seconds have passed, synchronising CUDA around
+    each block, and returns the median time per call. We give it all of
+    PyTorch's threads: its own default is ONE thread, which would quietly time
+    a different program than the one you run.
+
+    With `repeats`, each of `repeats` calls is timed on its own (everything
+    synchronised before each call) and the median returned. sync=False then
+    stops the clock as soon as fn returns, without waiting for the device
+    (every GPU if device is None): notebook 02 uses that to see asynchrony.
+    Used in: 01-04, 07.
     """
-    fn()
+    if repeats is None:
+        if not sync:
+            raise ValueError('sync=False needs repeats=...: blocked_autorange always synchronises.')
+        from torch.utils import benchmark  # imported late: it loads cpp_extension, which logs
+        fn(*args)  # warm-up: first-call costs (allocation, compilation) stay out
+        synchronize(device)
+        timer = benchmark.Timer(stmt='fn(*args)', globals={'fn': fn, 'args': args},
+                                            num_threads=torch.get_num_threads())
+        return timer.blocked_autorange(min_run_time=min_run_time).median
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f'repeats must be a whole number >= 1, got {repeats!r}.')
+    fn(*args)
     synchronize(device)
     times = []
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
-        fn()
+        fn(*args)
         if sync:
             synchronize(device)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
 
-def measure(fn, *args, min_run_time=0.2):
-    """Median seconds per call of fn(*args), after a warm-up, device synchronised.
+def _text(text):
+    # Printed text in the notebook's language: English looked up in FIGURE_TEXT
+    # (code cells stay free of Chinese), or an explicit (English, Chinese) pair.
+    if isinstance(text, (tuple, list)):
+        return say(*text)
+    return FIGURE_TEXT.get(text, text) if course_language() == 'zh' else text
 
-    Uses torch.utils.benchmark, which synchronises CUDA around each block of
-    calls; we give it all of PyTorch's threads (its default is one).
+
+def verdict(what, value, cases, unit='×', digits=2, shown=None):
+    """Print the conclusion a measurement supports, in the notebook's language; return its case.
+
+    `what` names the measured quantity and each case's text says what it
+    means, in English; a Chinese notebook prints their FIGURE_TEXT entries
+    (a test checks that every text the notebooks pass has one). An explicit
+    (English, Chinese) pair works too. `cases` is a list of
+    (upper_bound, key, text) with increasing bounds: the first case whose
+    bound exceeds `value` applies (use math.inf for the last). `shown`
+    replaces the printed number, e.g. to show both sides of a comparison.
+
+        verdict('compile/eager at batch 1', 0.64,
+                [(0.9, 'slower', 'compile is slower: overhead-bound'),
+                 (1.1, 'same', 'no difference'),
+                 (math.inf, 'faster', 'compile is faster')])
+        # Verdict: compile/eager at batch 1: 0.64× → compile is slower: overhead-bound
+
+    The prose then explains the cases and points at the verdict, so it never
+    has to copy a number from one particular run. Used in: 01-07.
     """
-    from torch.utils import benchmark
-    fn(*args)  # warm-up: first-call costs (allocation, compilation) stay out
-    timer = benchmark.Timer(stmt='fn(*args)', globals={'fn': fn, 'args': args},
-                            num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median
+    if not cases:
+        raise ValueError('verdict() needs at least one case.')
+    bounds = [bound for bound, _, _ in cases]
+    if bounds != sorted(bounds):
+        raise ValueError(f'the cases\' upper bounds must increase, got {bounds}.')
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f'verdict() needs a measured number, got {value!r}.')
+    for bound, key, text in cases:
+        if value < bound:
+            break
+    else:
+        raise ValueError(f'{value!r} is not below any case bound {bounds}: add a last case '
+                         'with math.inf.')
+    number = shown if shown is not None else f'{value:.{digits}f}{unit}'
+    print(say('Verdict: ', '结论：') + f'{_text(what)}{say(": ", "：")}{number} → {_text(text)}')
+    return key
 
 
-class quiet_native_stderr:
-    """Context manager: silence what C++ libraries (e.g. the profiler's kineto) print to fd 2."""
+@contextlib.contextmanager
+def full_fp32():
+    """Inside the block, float32 matrix products and convolutions on GPUs use full FP32, no TF32.
 
-    def __enter__(self):
+    On Ampere and newer GPUs PyTorch lets cuDNN convolutions use TF32 by
+    default (10-bit mantissa inputs), which changes results at about 1e-3
+    relative. Equivalence checks ("one data-parallel step equals one
+    single-device step") compare two computations that should agree to
+    float32 rounding, so they run inside this block. Uses PyTorch's
+    fp32_precision settings and restores them afterwards; no effect on CPUs.
+    Used in: 05, 07.
+    """
+    knobs = [torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn]
+    saved = [k.fp32_precision for k in knobs]
+    try:
+        for k in knobs:
+            k.fp32_precision = 'ieee'
+        yield
+    finally:
+        for k, v in zip(knobs, saved):
+            k.fp32_precision = v
+
+
+def step_difference(before, after_a, after_b):
+    """How far apart two training steps are: max |Δa − Δb| / max |Δb| over the parameter tensors.
+
+    Δ is a parameter's change in the step (after − before). Dividing by the
+    largest change of each tensor makes the number comparable across tensors
+    and runs: 0 means the same step; a real algorithmic difference (a
+    gradient not summed, a wrong batch size) shows up as 0.5 or more.
+    Used in: 05 and the tests.
+    """
+    worst = 0.0
+    for p, a, b in zip(before, after_a, after_b):
+        p, a, b = (t.detach().double().cpu() for t in (p, a, b))
+        worst = max(worst, float((a - b).abs().max() / (b - p).abs().max().clamp_min(1e-30)))
+    return worst
+
+
+def step_tolerance(dtype=torch.float32, device='cpu'):
+    """The largest step_difference that two correct computations of one step may show.
+
+    Splitting a batch changes the order of floating-point additions, never the
+    maths, so the tolerance follows the dtype's rounding. On GPUs it is far
+    larger: even with TF32 off (full_fp32), cuDNN picks its convolution
+    algorithms by shape, and some trade precision for speed. Measured on an
+    H200 (the course's GPU check, see tools/gpu_precision.py): a LeNet step on
+    two shards of 128 and on one batch of 256 differed by 4e-3 of the step in
+    one bias, and by 6e-6 on a CPU. Used in: 05 and the tests.
+    """
+    dtype = torch.tensor([], dtype=dtype).dtype
+    table = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+    if dtype not in table:
+        raise ValueError(f'no tolerance for {dtype}; use a floating-point dtype.')
+    on_cpu = torch.device(device).type == 'cpu'
+    return table[dtype] if on_cpu else max(2e-2, table[dtype])
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Silence what C++ libraries (the profiler's kineto, say) print straight to fd 2. Used in: 02."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
         sys.stderr.flush()
-        self._saved = os.dup(2)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        os.close(devnull)
-        return self
+        os.dup2(saved, 2)
+        os.close(saved)
 
-    def __exit__(self, *exc):
-        sys.stderr.flush()
-        os.dup2(self._saved, 2)
-        os.close(self._saved)
+
+# ----------------------------------------------------------------- pictures
 
 
 def plot_timeline(spans, lanes=None, ax=None, title=None, unit='ms'):
     """Draw (lane, start, end, label) spans as a timeline, one row per lane; return ax.
 
-    Times are in seconds and drawn in `unit` ('s', 'ms' or 'us').
+    Times are in seconds and drawn in `unit` ('s', 'ms' or 'us'). Used in: 02, 03.
     """
     import matplotlib.pyplot as plt
     scale = {'s': 1, 'ms': 1e3, 'us': 1e6}[unit]
@@ -486,7 +1037,25 @@ def plot_timeline(spans, lanes=None, ax=None, title=None, unit='ms'):
     return ax
 
 
-# -------------------------------------------------------------------- data
+def show_source(obj):
+    """Show the source code of a function or class from common.py, highlighted in a notebook.
+
+    For code a section teaches that must live in an importable file (a
+    worker process's entry point). Used in: 07.
+    """
+    code = inspect.getsource(obj)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+        if get_ipython() is not None:
+            display(Markdown(f'```python\n{code}```'))
+            return
+    except ImportError:
+        pass
+    print(code)
+
+
+# ------------------------------------------------------------ data (00, 05-07)
 
 DATA_DIR = ROOT / 'data'
 DEBIAN_DIR = Path('/usr/share/datasets/fashion-mnist')
@@ -544,6 +1113,7 @@ def find_fashion_mnist(root=None, download=True, timeout=15):
 
     With none of them available it raises FileNotFoundError within about
     `timeout` seconds, naming the three ways to get the data.
+    Used in: 00, 07, and by the set-up's data check.
     """
     for folder in _fashion_dirs(root):
         if _complete(folder):
@@ -571,7 +1141,10 @@ _ARRAYS = {}
 
 
 def fashion_mnist_arrays(split='train', root=None, download=True):
-    """(images uint8 N×28×28, labels int64 N) of one split, read once per process."""
+    """(images uint8 N×28×28, labels int64 N) of one split, read once per process (clear_cache() forgets).
+
+    Used by fashion_mnist_datasets().
+    """
     folder = find_fashion_mnist(root, download)
     key = (str(folder), split)
     if key not in _ARRAYS:
@@ -584,10 +1157,19 @@ def fashion_mnist_arrays(split='train', root=None, download=True):
     return _ARRAYS[key]
 
 
+def clear_cache():
+    """Forget the Fashion-MNIST arrays read so far (tests use it to switch data folders).
+
+    Used by the tests.
+    """
+    _ARRAYS.clear()
+
+
 def fashion_mnist_datasets(subset=None, root=None, download=True, seed=0):
     """(train, test) TensorDatasets of float images in [0, 1], shape N×1×28×28.
 
     `subset` keeps that many training examples, drawn at random with `seed`.
+    Used in: 05, and by the workers of 05 and 07.
     """
     out = []
     for split in ('train', 'test'):
@@ -603,7 +1185,10 @@ def fashion_mnist_datasets(subset=None, root=None, download=True, seed=0):
 
 
 def default_num_workers():
-    """Loader processes worth starting here: 0 where processes are costly or cores few."""
+    """Loader processes worth starting here: 0 where processes are costly or cores few.
+
+    Used by load_data_fashion_mnist().
+    """
     if sys.platform in ('win32', 'darwin') or (os.cpu_count() or 1) <= 2:
         return 0
     return min(4, os.cpu_count() // 2)
@@ -615,7 +1200,7 @@ def load_data_fashion_mnist(batch_size, resize=None, subset=None, num_workers=No
 
     `resize` scales each batch to resize×resize; `subset` keeps that many
     training examples; `num_workers=None` picks default_num_workers() when
-    resizing and 0 otherwise (the data already sits in memory).
+    resizing and 0 otherwise (the data already sits in memory). Used in: 05, 06.
     """
     train, test = fashion_mnist_datasets(subset, root, download)
     collate = None
@@ -631,18 +1216,18 @@ def load_data_fashion_mnist(batch_size, resize=None, subset=None, num_workers=No
             torch.utils.data.DataLoader(test, shuffle=False, **kw))
 
 
-# ---------------------------------------------------------------- training
+# ------------------------------------------------------------ training (05, 06)
 
 
 def accuracy(y_hat, y):
-    """Number of correct predictions (y_hat holds logits or class indices)."""
+    """Number of correct predictions (y_hat holds logits or class indices). Used in: 05-07."""
     if y_hat.ndim > 1 and y_hat.shape[1] > 1:
         y_hat = y_hat.argmax(dim=1)
     return float((y_hat.type(y.dtype) == y).sum())
 
 
 def evaluate_accuracy(net, data_iter, device=None):
-    """Fraction of correct predictions of `net` over `data_iter`, computed on `device`."""
+    """Fraction of correct predictions of `net` over `data_iter`, computed on `device`. Used in: 05, 06."""
     if device is None:
         device = next(iter(net.parameters())).device if isinstance(net, torch.nn.Module) else 'cpu'
     if isinstance(net, torch.nn.Module):
@@ -656,30 +1241,25 @@ def evaluate_accuracy(net, data_iter, device=None):
     return correct / total
 
 
-def _in_notebook():
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and 'IPKernelApp' in shell.config
-
-
 class Animator:
     """A live line plot: call add(x, ys) during training; the figure redraws in place.
 
     In JupyterLab the figure updates in place (display handle); in a script
     or under torchrun nothing is shown and .fig can be saved at the end.
+    Outside a notebook it draws on a plain matplotlib Figure, so it never
+    changes matplotlib's backend behind the caller's back. Used in: 05.
     """
 
     def __init__(self, xlabel=None, ylabel=None, legend=(), xlim=None, ylim=None,
                  yscale='linear', figsize=(4.5, 3)):
-        import matplotlib
-        if not _in_notebook():
-            matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-        self.fig, self.ax = plt.subplots(figsize=figsize)
-        plt.close(self.fig)  # we display it ourselves, once, through a handle
+        if _in_notebook():
+            import matplotlib.pyplot as plt  # pyplot sets up the notebook's figure display
+            self.fig, self.ax = plt.subplots(figsize=figsize)
+            plt.close(self.fig)  # we display it ourselves, once, through a handle
+        else:
+            from matplotlib.figure import Figure
+            self.fig = Figure(figsize=figsize)
+            self.ax = self.fig.subplots()
         self.legend, self.xlabel, self.ylabel = list(legend), xlabel, ylabel
         self.xlim, self.ylim, self.yscale = xlim, ylim, yscale
         self.X, self.Y, self._handle = None, None, None
@@ -721,13 +1301,27 @@ class Animator:
                 self._handle.update(self.fig)
 
 
-# -------------------------------------------- data parallelism by hand (05-07)
+def sgd(params, lr, batch_size):
+    """One SGD step in place, for gradients summed over `batch_size` examples; zero the gradients.
+
+    Used in: 05 (train_batch, dp_worker).
+    """
+    with torch.no_grad():
+        for p in params:
+            p -= lr * p.grad / batch_size
+            p.grad.zero_()
+
+
+# ----------------------------------------------- data parallelism by hand (05)
 
 LENET_SHAPES = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
 
 
 def lenet_params(seed=0):
-    """LeNet parameters [W1, b1, W2, b2, W3, b3, W4, b4]: He-initialised weights, zero biases."""
+    """LeNet parameters [W1, b1, W2, b2, W3, b3, W4, b4]: He-initialised weights, zero biases.
+
+    Used in: 05, 07.
+    """
     gen = torch.Generator().manual_seed(seed)
     params = []
     for shape in LENET_SHAPES:
@@ -738,7 +1332,10 @@ def lenet_params(seed=0):
 
 
 def lenet(X, params):
-    """LeNet on raw tensors: conv(3×3)-ReLU-avgpool, conv(5×5)-ReLU-avgpool, dense-ReLU, dense."""
+    """LeNet on raw tensors: conv(3×3)-ReLU-avgpool, conv(5×5)-ReLU-avgpool, dense-ReLU, dense.
+
+    Used in: 05, 07.
+    """
     F = torch.nn.functional
     h = F.avg_pool2d(F.relu(F.conv2d(X, params[0], params[1])), kernel_size=2)
     h = F.avg_pool2d(F.relu(F.conv2d(h, params[2], params[3])), kernel_size=2)
@@ -747,7 +1344,10 @@ def lenet(X, params):
 
 
 def get_params(params, device):
-    """Copies of `params` on `device` that record gradients (always copies, even on the same device)."""
+    """Copies of `params` on `device` that record gradients (always copies, even on the same device).
+
+    Used in: 05.
+    """
     return [p.detach().to(device, copy=True).requires_grad_() for p in params]
 
 
@@ -755,6 +1355,7 @@ def allreduce(data):
     """Sum tensors that live on several devices; afterwards every one holds the sum.
 
     The naive way: add everything into data[0] on its device, then copy it back out.
+    Used in: 05.
     """
     for i in range(1, len(data)):
         data[0][:] += data[i].to(data[0].device)
@@ -763,7 +1364,7 @@ def allreduce(data):
 
 
 def split_batch(X, y, devices):
-    """Split a minibatch over devices: shard sizes differ by at most one example."""
+    """Split a minibatch over devices: shard sizes differ by at most one example. Used in: 05."""
     if X.shape[0] != y.shape[0]:
         raise ValueError(f'X has {X.shape[0]} examples but y has {y.shape[0]}: they must match.')
     if X.shape[0] < len(devices):
@@ -780,21 +1381,17 @@ def batch_indices(order, step, batch_size, part=0, parts=1):
     every global batch has exactly batch_size examples; each rank then takes
     its own slice of it. Data-parallel workers and parameter-server workers
     use this one rule, which is why their training steps can be compared.
+    Used by dp_worker (05) and the parameter-server workers (07).
     """
     batch = order[(step * batch_size + torch.arange(batch_size)) % len(order)]
     return torch.tensor_split(batch, parts)[part]
 
 
-def sgd(params, lr, batch_size):
-    """One SGD step in place, for gradients summed over `batch_size` examples; zero the gradients."""
-    with torch.no_grad():
-        for p in params:
-            p -= lr * p.grad / batch_size
-            p.grad.zero_()
-
-
 def train_batch(X, y, device_params, devices, lr):
-    """One data-parallel step: split the batch, backprop on each replica, allreduce, update."""
+    """One data-parallel step: split the batch, backprop on each replica, allreduce, update.
+
+    Used in: 05.
+    """
     X_shards, y_shards = split_batch(X, y, devices)
     for X_shard, y_shard, params in zip(X_shards, y_shards, device_params):
         torch.nn.functional.cross_entropy(lenet(X_shard, params), y_shard, reduction='sum').backward()
@@ -806,7 +1403,10 @@ def train_batch(X, y, device_params, devices, lr):
 
 
 def replica_devices(k):
-    """Devices for k replicas: k distinct GPUs if the machine has them, else k times the best one."""
+    """Devices for k replicas: k distinct GPUs if the machine has them, else k times the best one.
+
+    On one GPU all k replicas share cuda:0; on a CPU-only machine they share the CPU. Used in: 05.
+    """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f'the number of replicas must be a whole number >= 1, got {k!r}.')
     return [torch.device(f'cuda:{i}') for i in range(k)] if num_gpus() >= k else [try_gpu()] * k
@@ -815,30 +1415,34 @@ def replica_devices(k):
 def dp_worker(rank, world_size, run):
     """Worker for launch(): data-parallel LeNet training, gradients summed with dist.all_reduce.
 
-    `run` is a dict with batch_size (global), lr, steps, and optionally seed and subset.
+    `run` is a dict with batch_size (global), lr, steps, and optionally seed, subset
+    and full_fp32 (True: no TF32 on GPUs, for comparing with another device).
     Every rank walks the same shuffled global batches and trains on its slice of each.
-    Returns throughput and a checksum of the parameters (rank 0 also returns them).
+    Runs on the CPU over gloo, or on cuda:<rank> when launched with backend='nccl'.
+    Returns the device, throughput and a checksum of the parameters (rank 0 also
+    returns them). Used in: 05.
     """
-    import torch.distributed as dist
     batch_size, lr, steps = run['batch_size'], run['lr'], run['steps']
     seed, subset = run.get('seed', 0), run.get('subset')
-    device = torch.device(f'cuda:{rank}') if dist.get_backend() == 'nccl' else torch.device('cpu')
+    device = worker_device()
     X_all, y_all = fashion_mnist_datasets(subset=subset, download=False)[0].tensors
     order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(seed))
     params = get_params(lenet_params(seed), device)
+    precision = full_fp32() if run.get('full_fp32') else contextlib.nullcontext()
     dist.barrier()
     start = time.perf_counter()
-    for step in range(steps):
-        mine = batch_indices(order, step, batch_size, rank, world_size)
-        X, y = X_all[mine].to(device), y_all[mine].to(device)
-        torch.nn.functional.cross_entropy(lenet(X, params), y, reduction='sum').backward()
-        for p in params:
-            dist.all_reduce(p.grad)
-        sgd(params, lr, batch_size)
+    with precision:
+        for step in range(steps):
+            mine = batch_indices(order, step, batch_size, rank, world_size)
+            X, y = X_all[mine].to(device), y_all[mine].to(device)
+            torch.nn.functional.cross_entropy(lenet(X, params), y, reduction='sum').backward()
+            for p in params:
+                dist.all_reduce(p.grad)
+            sgd(params, lr, batch_size)
     synchronize(device)
     dist.barrier()
     elapsed = time.perf_counter() - start
-    return {'images_per_s': steps * batch_size / elapsed, 'seconds': elapsed,
+    return {'device': str(device), 'images_per_s': steps * batch_size / elapsed, 'seconds': elapsed,
             'checksum': float(sum(p.detach().double().sum() for p in params)),
             'params': [p.detach().cpu() for p in params] if rank == 0 else None}
 
@@ -847,7 +1451,10 @@ def dp_worker(rank, world_size, run):
 
 
 class Residual(torch.nn.Module):
-    """A ResNet basic block: two 3×3 convolutions with batch norm, plus a (projected) shortcut."""
+    """A ResNet basic block: two 3×3 convolutions with batch norm, plus a (projected) shortcut.
+
+    Used by resnet18() (06).
+    """
 
     def __init__(self, in_channels, out_channels, stride=1):
         super().__init__()
@@ -866,7 +1473,10 @@ class Residual(torch.nn.Module):
 
 
 def resnet18(num_classes=10, width=64, in_channels=1):
-    """ResNet-18 for 28×28 inputs: a 3×3 stem without max-pool, stages of width w, 2w, 4w, 8w."""
+    """ResNet-18 for 28×28 inputs: a 3×3 stem without max-pool, stages of width w, 2w, 4w, 8w.
+
+    Used in: 06 (and its torchrun script).
+    """
     nn = torch.nn
     layers = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
     channels = width
@@ -878,82 +1488,10 @@ def resnet18(num_classes=10, width=64, in_channels=1):
     return nn.Sequential(*layers)
 
 
-def free_port():
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
-def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300):
-    """Run `script` with torchrun as `nnodes` launchers on this host; return each launcher's output.
-
-    One node uses --standalone (torchrun picks a free port). Several nodes meet through c10d
-    rendezvous on 127.0.0.1, as separate machines would. A failing script raises RuntimeError
-    with the end of its output; past `timeout` seconds everything is killed and TimeoutError
-    raised. No launcher or worker outlives the call.
-    """
-    import subprocess
-    import tempfile
-    import uuid
-    base = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nproc_per_node}']
-    if nnodes == 1:
-        commands = [base + ['--standalone', str(script), *map(str, args)]]
-    else:
-        rendezvous = [f'--nnodes={nnodes}', '--rdzv-backend=c10d', f'--rdzv-id={uuid.uuid4().hex[:8]}',
-                      f'--rdzv-endpoint=127.0.0.1:{free_port()}']
-        commands = [base + rendezvous + [str(script), *map(str, args)]] * nnodes
-    logs = [tempfile.TemporaryFile(mode='w+') for _ in commands]
-    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=hasattr(os, 'killpg')) for cmd, log in zip(commands, logs)]
-    try:
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f'torchrun {script} did not finish within {timeout} s; stopped it.')
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-        for node, (p, out) in enumerate(zip(procs, outputs)):
-            if p.returncode:
-                raise RuntimeError(f'torchrun {script} (node {node}) exited with code {p.returncode}:\n'
-                                   + '\n'.join(out.splitlines()[-60:]))
-        return outputs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                _stop_tree(p)
-        for log in logs:
-            log.close()
-
-
-def _stop_tree(popen, grace=5):
-    # torchrun starts its workers in sessions of their own: stop the whole tree, not a group.
-    import psutil
-    try:
-        root = psutil.Process(popen.pid)
-        tree = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for proc in tree:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(tree, timeout=grace)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
-    popen.wait()
-
-
-# ----------------------------------------------------- parameter servers (07)
+# -------------------------------------------------------- parameter servers (07)
+# 07 §1-4: the cost model and ring all-reduce; §5: the key-value store;
+# §6-7: a sharded parameter server over processes, with faults (infrastructure
+# below ps_process: you need not read it to follow the section).
 
 SYNC_STRATEGIES = ('gpu0', 'cpu', 'split', 'ring')
 
@@ -967,6 +1505,7 @@ def sync_time(strategy, size_bytes, devices, bandwidth, links=1):
       split - cut into n parts, each summed on a different device at once: 2(n-1)·(s/n)/b
       ring  - reduce-scatter then all-gather round a ring of `links` parallel rings:
               2(n-1)/n · s/(links·b), which barely grows with n
+    Used in: 07.
     """
     n = devices
     if strategy not in SYNC_STRATEGIES:
@@ -983,8 +1522,8 @@ def ring_allreduce(tensor):
 
     Each of the 2(n-1) steps sends one n-th of the tensor to the right neighbour and
     receives one from the left, so every link carries the same, small amount at once.
+    Used in: 07 (shown on the page).
     """
-    import torch.distributed as dist
     rank, n = dist.get_rank(), dist.get_world_size()
     chunks = list(torch.tensor_split(tensor.view(-1), n))
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -1004,9 +1543,11 @@ def ring_allreduce(tensor):
 
 
 def ring_check(rank, world_size, numel, algorithm='ring'):
-    """Worker for launch(): a ring all-reduce (RING_ALGORITHMS) against dist.all_reduce."""
-    import torch.distributed as dist
-    data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    """Worker for launch(): a ring all-reduce (RING_ALGORITHMS) against dist.all_reduce.
+
+    Returns the largest difference. Runs over gloo or NCCL. Used in: 07.
+    """
+    data = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(worker_device())
     mine, reference = data.clone(), data.clone()
     RING_ALGORITHMS[algorithm](mine)
     dist.all_reduce(reference)
@@ -1017,9 +1558,10 @@ def ring_allreduce_both_ways(tensor):
     """ring_allreduce with half of the tensor going clockwise and half counter-clockwise.
 
     Every link carries traffic in both of its directions at once, so on
-    full-duplex links each half needs half the time: the notes' exercise.
+    full-duplex links each half needs half the time. The worked solution of
+    07's exercise 1 (named in its solution block; the tests run it).
+    Used by comm_benchmark and ring_check in 07's exercise 1.
     """
-    import torch.distributed as dist
     rank, n = dist.get_rank(), dist.get_world_size()
     flat = tensor.view(-1)
     half = flat.numel() // 2
@@ -1055,9 +1597,9 @@ def comm_benchmark(rank, world_size, sizes, repeats=5, algorithms=('ring', 'all_
     'exchange' (ranks 0 and 1 send to each other at once) and one list per
     algorithm ('ring', 'ring both ways', 'all_reduce'): medians over
     `repeats` after a warm-up (5 times more repeats below 1 MB), every rank
-    starting together.
+    starting together. Runs over gloo, or over NCCL on cuda:<rank> (each
+    timing then waits for the GPU). Used in: 07.
     """
-    import torch.distributed as dist
 
     def pingpong(t):  # one message at a time: there and back
         if rank == 0:
@@ -1074,6 +1616,7 @@ def comm_benchmark(rank, world_size, sizes, repeats=5, algorithms=('ring', 'all_
             dist.recv(incoming, 1 - rank)
             request.wait()
 
+    device = worker_device()
     ops = {'pingpong': pingpong, 'exchange': exchange, 'all_reduce': dist.all_reduce,
            **RING_ALGORITHMS}
     unknown = set(algorithms) - set(ops)
@@ -1083,12 +1626,14 @@ def comm_benchmark(rank, world_size, sizes, repeats=5, algorithms=('ring', 'all_
     for name in ('pingpong', 'exchange', *algorithms):
         out[name] = []
         for size in sizes:
-            t = torch.ones(max(1, size // 4))
+            t = torch.ones(max(1, size // 4), device=device)
             samples = []
             for i in range(repeats * (5 if size < 2 ** 20 else 1) + 1):
                 dist.barrier()
+                synchronize(device)
                 start = time.perf_counter()
                 ops[name](t)
+                synchronize(device)
                 if i:  # the first round is the warm-up
                     samples.append(time.perf_counter() - start)
             median = float(np.median(samples))
@@ -1097,17 +1642,23 @@ def comm_benchmark(rank, world_size, sizes, repeats=5, algorithms=('ring', 'all_
 
 
 def fit_alpha_beta(sizes, seconds):
-    """(alpha, beta): latency in s and s/byte of t = alpha + beta*size, fitted on relative error."""
+    """(alpha, beta): latency in s and s/byte of t = alpha + beta*size, fitted on relative error.
+
+    Weighting each point by 1/time makes small messages count as much as large ones.
+    Used in: 07.
+    """
     sizes, seconds = np.asarray(sizes, float), np.asarray(seconds, float)
     if sizes.shape != seconds.shape or len(sizes) < 2:
         raise ValueError('need at least two (size, time) pairs of equal length.')
-    A = np.stack([np.ones_like(sizes), sizes], 1) / seconds[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(A, np.ones_like(sizes), rcond=None)
+    beta, alpha = np.polyfit(sizes, seconds, 1, w=1 / seconds)
     return float(alpha), float(beta)
 
 
 def ring_model(size_bytes, n, alpha, beta):
-    """alpha-beta time of ring_allreduce: 2(n-1) steps, each one message of size/n."""
+    """alpha-beta time of ring_allreduce: 2(n-1) steps, each one message of size/n.
+
+    Used in: 07.
+    """
     return 2 * (n - 1) * (alpha + beta * size_bytes / n)
 
 
@@ -1117,6 +1668,7 @@ def ps_time(size_bytes, workers, servers, bandwidth):
     Each server holds 1/servers of the parameters and talks to every worker
     over its own link; each worker talks to every server over its own link.
     The busier end sets the pace: 2·max(workers/servers, 1)·size/bandwidth.
+    Used in: 07.
     """
     if min(workers, servers) < 1 or size_bytes < 0 or bandwidth <= 0:
         raise ValueError('need workers >= 1, servers >= 1, size >= 0 and bandwidth > 0.')
@@ -1129,6 +1681,7 @@ def hierarchical_time(size_bytes, machines, gpus, local_bandwidth, network_bandw
     Local reduce and local broadcast each cost (g-1)/g·size/local_bandwidth
     (split aggregation, like a ring's two halves); only one gradient per
     machine crosses the network. Compare ps_time(size, machines*gpus, ...).
+    Used in: 07.
     """
     if gpus < 1 or local_bandwidth <= 0:
         raise ValueError('need gpus >= 1 and local_bandwidth > 0.')
@@ -1137,7 +1690,10 @@ def hierarchical_time(size_bytes, machines, gpus, local_bandwidth, network_bandw
 
 
 def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1):
-    """An ipywidgets calculator: sliders for the sync_time inputs, a bar per strategy."""
+    """An ipywidgets calculator: sliders for the sync_time inputs, a bar per strategy.
+
+    Used in: 07.
+    """
     import ipywidgets as widgets
     labels = {'gpu0': say('via GPU 0', '经由 GPU 0'), 'cpu': say('via the CPU', '经由 CPU'),
               'split': say('split over all', '分块聚合'), 'ring': say('ring', '环同步')}
@@ -1166,9 +1722,7 @@ def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1):
     for w in (size, n, bw, rings):
         w.observe(update, names='value')
     update()
-    box = widgets.VBox([size, n, bw, rings, table])
-    box.update = update
-    return box
+    return widgets.VBox([size, n, bw, rings, table])
 
 
 class KVStore:
@@ -1221,6 +1775,7 @@ def shard_keys(shapes, servers, piece=None):
     With piece=None each tensor is one key; with piece=k tensors are cut into
     ranges of at most k elements first. Keys go largest first to the least
     loaded server. Returns a list of dicts: key, param, start, stop, server.
+    Used in: 07 and by ps_process.
     """
     if servers < 1 or (piece is not None and piece < 1):
         raise ValueError('need servers >= 1 and piece >= 1 (or None).')
@@ -1253,7 +1808,6 @@ class _ps_link:
 
     def __exit__(self, kind, error, tb):
         if isinstance(error, RuntimeError):
-            import re
             reason = re.sub(r'^\[[^\]]*\]\s*', '', str(error).strip().splitlines()[0])
             reason = reason.split(' This is typically')[0][:160]
             raise PSFault(f'{self.what}: that process died or stopped answering ({reason})') from None
@@ -1261,7 +1815,6 @@ class _ps_link:
 
 
 def _ps_wait(requests, what, timeout=None):
-    import datetime
     with _ps_link(what):
         for request in requests:
             if timeout is None:
@@ -1276,7 +1829,6 @@ def _ps_fault(run, role, index, step):
         if fault.get('stamp'):
             Path(fault['stamp']).write_text(repr(time.time()))
         if fault.get('kind', 'kill') == 'kill':
-            import signal
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(3600)  # 'hang': alive but silent
 
@@ -1290,9 +1842,12 @@ def ps_process(rank, world_size, run):
     workers wait twice as long for a pull, so that the server, which knows
     who is missing, reports a silent worker first), fault (role, index,
     step, kind 'kill' or 'hang', stamp file) and checkpoint (dir, every,
-    resume).
+    resume). It runs on CPU processes: launch it over gloo (the default).
+    Used in: 07.
     """
-    import torch.distributed as dist
+    if dist.get_backend() != 'gloo':
+        raise ValueError(f"ps_process runs on CPU processes; launch it with backend='gloo', "
+                         f'not {dist.get_backend()!r}.')
     servers = run['servers']
     if not 1 <= servers < world_size:
         raise ValueError(f'need 1 <= servers < processes; got {servers} servers of {world_size}.')
@@ -1313,7 +1868,6 @@ def _ps_checkpoint_files(run, s):
 
 def _ps_resume_step(rank, servers, run):
     # Resume from the newest step that every server has saved (0: from scratch).
-    import torch.distributed as dist
     ckpt = run.get('checkpoint') or {}
     latest = 0
     if ckpt.get('resume') and rank < servers:
@@ -1325,7 +1879,6 @@ def _ps_resume_step(rank, servers, run):
 
 
 def _ps_server(s, run, plan, workers, start):
-    import torch.distributed as dist
     lr, batch_size = run['lr'], run['batch_size']
     mine = [p for p in plan if p['server'] == s]
 
@@ -1382,7 +1935,6 @@ def _ps_save(run, s, step, store):
 
 
 def _ps_worker(w, run, plan, workers, start, worker_group):
-    import torch.distributed as dist
     rank, servers = workers[w], run['servers']
     batch_size, lr, seed = run['batch_size'], run['lr'], run.get('seed', 0)
     X_all, y_all = fashion_mnist_datasets(subset=run.get('subset'), download=False)[0].tensors
@@ -1436,220 +1988,3 @@ def _ps_worker(w, run, plan, workers, start, worker_group):
         with torch.no_grad():
             out['test_accuracy'] = accuracy(lenet(X[:n], params), y[:n]) / n
     return out
-
-
-# ---------------------------------------------------------- worker processes
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed; the message holds its rank and traceback."""
-
-
-class _RemoteTraceback(Exception):
-    def __str__(self):
-        return self.args[0]
-
-
-def _watch_parent(parent_pid):
-    # Exit if the launching process disappears (kernel killed): no orphans.
-    import threading
-
-    def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(3)
-            time.sleep(0.5)
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _worker_main(rank, world_size, port, backend, threads, fn, args, results, parent_pid,
-                 op_timeout=None):
-    """Entry point of a worker process started by launch()."""
-    import datetime
-    import pickle
-    import torch.distributed as dist
-    _watch_parent(parent_pid)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR='127.0.0.1',
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(threads)
-    joined = False
-    try:
-        if backend == 'nccl':
-            torch.cuda.set_device(rank)
-        store = dist.TCPStore('127.0.0.1', port, world_size + 1, is_master=False)
-        extra = {} if op_timeout is None else {'timeout': datetime.timedelta(seconds=op_timeout)}
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **extra)
-        joined = True
-        outcome = (rank, 'ok', fn(rank, world_size, *args))
-    except BaseException as e:
-        tb = traceback.format_exc()
-        try:
-            pickle.dumps(e)
-            exc = e
-        except Exception:
-            exc = None
-        outcome = (rank, 'error', (exc, tb, time.time()))
-    # Report before leaving the group: leaving makes peers fail, and their
-    # secondary errors must not arrive ahead of this one. Plain pickle copies
-    # tensors by value (torch's queue would share them through this process,
-    # which is about to exit).
-    try:
-        message = pickle.dumps(outcome)
-    except Exception:
-        message = pickle.dumps((rank, 'error', (None, f'result of rank {rank} cannot be pickled:\n'
-                                                   f'{traceback.format_exc()}', time.time())))
-    results.put(message)
-    if joined:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
-def launch(fn, world_size, *args, backend=None, timeout=120, threads=None, op_timeout=None,
-           names=None):
-    """Run fn(rank, world_size, *args) in `world_size` processes joined by torch.distributed.
-
-    fn must live in an importable module (common.py or a .py file), not in a
-    notebook. Returns the list of return values by rank. A worker's exception
-    is re-raised here with its traceback; a worker that dies without a word
-    is named; a hang raises TimeoutError after `timeout` seconds. No process
-    or port outlives the call. `op_timeout` (seconds) bounds every single
-    send, receive or collective inside the workers (torch's default is 30
-    minutes); `names` labels the ranks in error messages, e.g. 'worker 1'.
-    """
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f'world_size must be a whole number >= 1, got {world_size!r}.')
-    if getattr(fn, '__module__', None) == '__main__':
-        raise ValueError(
-            f'{fn.__name__} is defined in the notebook (module __main__); worker '
-            'processes cannot import it. Put the function in common.py or a .py file.')
-    backend = backend or ('nccl' if num_gpus() >= world_size else 'gloo')
-    if backend not in dist.Backend.backend_list:
-        raise ValueError(f'backend must be one of {dist.Backend.backend_list}, got {backend!r}.')
-    if backend == 'nccl' and num_gpus() < world_size:
-        raise ValueError(f'backend nccl needs one GPU per process: {world_size} processes, '
-                         f'{num_gpus()} GPU(s). Use backend="gloo" or fewer processes.')
-    if names is not None and len(names) != world_size:
-        raise ValueError(f'names has {len(names)} entries for {world_size} processes.')
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
-    ctx = mp.get_context('spawn')
-    results = ctx.Queue()
-    # The store lives here, on a port the OS picks, so parallel notebooks never collide.
-    store = dist.TCPStore('127.0.0.1', 0, world_size + 1, is_master=True, wait_for_workers=False)
-    procs = []
-    try:
-        for rank in range(world_size):
-            p = ctx.Process(target=_worker_main, daemon=True,
-                            args=(rank, world_size, store.port, backend, threads, fn, args,
-                                  results, os.getpid(), op_timeout))
-            p.start()
-            procs.append(p)
-        return _collect(procs, results, timeout, names)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
-        del store
-
-
-def allreduce_check(rank, world_size):
-    """Worker for launch(): all-reduce each rank's number; every rank returns the sum."""
-    import torch.distributed as dist
-    t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)
-    return t.item()
-
-
-def _label(rank, names):
-    return f'rank {rank} ({names[rank]})' if names else f'rank {rank}'
-
-
-def _exit_text(code):
-    import signal
-    if code is not None and code < 0:
-        try:
-            return f'code {code} ({signal.Signals(-code).name})'
-        except ValueError:
-            pass
-    return f'code {code}'
-
-
-def _raise_first_error(rank, payload, results, procs, names, grace=1.0):
-    # Peers of a failed worker fail too (connection closed): wait a moment for
-    # their reports and raise the root cause.
-    # A process that died without reporting (killed, crashed) is the root
-    # cause of everything its peers report, so it is named first.
-    import pickle
-    import queue
-    errors = [(payload[2], rank, payload)]
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            r, status, p = pickle.loads(results.get(timeout=max(0.01, deadline - time.monotonic())))
-        except queue.Empty:
-            break
-        if status == 'error':
-            errors.append((p[2], r, p))
-    # A closed connection is a consequence (the peer died, timed out or gave up first):
-    # prefer any other error, then the earliest.
-    secondary = ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe')
-    _, rank, (exc, tb, _) = min(errors, key=lambda e: (any(s in e[2][1] for s in secondary), e[0]))
-    remote = _RemoteTraceback(f'\n--- worker {_label(rank, names)} ---\n{tb}')
-    reported = {e[1] for e in errors}
-    silent = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
-    if silent:
-        r = silent[0]
-        last = tb.strip().splitlines()[-1] if tb.strip() else repr(exc)
-        raise WorkerError(f'{_label(r, names)} exited with {_exit_text(procs[r].exitcode)} without '
-                          f'reporting a result (killed or crashed); {_label(rank, names)} noticed '
-                          f'first: {last}') from remote
-    if exc is None:
-        raise WorkerError(f'worker {_label(rank, names)} failed:\n{tb}')
-    raise exc from remote
-
-
-def _collect(procs, results, timeout, names=None):
-    import pickle
-    import queue
-    deadline = time.monotonic() + timeout
-    done = {}
-    while len(done) < len(procs):
-        try:
-            rank, status, payload = pickle.loads(results.get(timeout=0.2))
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs)
-                    if r not in done and p.exitcode is not None]
-            if dead:
-                time.sleep(0.5)  # a message sent just before exit may still be in flight
-                if results.empty():
-                    r = dead[0]
-                    raise WorkerError(f'worker {_label(r, names)} exited with '
-                                      f'{_exit_text(procs[r].exitcode)} without reporting a '
-                                      'result (killed or crashed).')
-                continue
-            if time.monotonic() > deadline:
-                waiting = sorted(set(range(len(procs))) - set(done))
-                raise TimeoutError(f'worker rank(s) {waiting} did not finish within '
-                                   f'{timeout} s; all workers were stopped.')
-            continue
-        if status == 'error':
-            _raise_first_error(rank, payload, results, procs, names)
-        done[rank] = payload
-    return [done[r] for r in range(len(procs))]
-
-
-# A Chinese notebook's figures need the Chinese font before the first figure is
-# made: matplotlib fixes a text's font family when the axes are created, so
-# turning it on at the first tr() would be too late for labels set afterwards.
-if course_language() == 'zh' and 'IPython' in sys.modules and _in_notebook():
-    _use_cjk_font()

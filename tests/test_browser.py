@@ -75,7 +75,7 @@ def lab(tmp_path_factory):
             time.sleep(0.5)
         yield url, token
     finally:
-        common._stop_tree(server)
+        common.stop_process_tree(server)
         log.close()
 
 

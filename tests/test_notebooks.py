@@ -131,3 +131,46 @@ def test_prose_update_keeps_outputs_and_refuses_code_changes(tmp_path, monkeypat
     src.write_text(src.read_text(encoding='utf-8').replace('print(1)', 'print(2)'), encoding='utf-8')
     with pytest.raises(SystemExit, match='run `build` instead'):
         nbpair.update_prose(src)
+
+
+@pytest.mark.parametrize('text,message', [
+    ('hello\n%% md\n# x\n%% zh\n# y\n', 'text before the first cell'),
+    ('%% zh\nx\n', '"%% zh" must follow an English cell'),
+    ('%% md\n# x\n%% zh\n# y\n%% zh\n# z\n', '"%% zh" must follow an English cell'),
+    ('%% table\nx\n', "unknown cell kind 'table'"),
+    ('%% md\n# x\n', 'markdown cell 0 has no Chinese text'),
+    ('%% code\nx = 1\n%% zh\nx = 2\n', 'code cell 0 differs between en and zh beyond comments'),
+])
+def test_bilingual_source_errors_name_the_problem(tmp_path, text, message):
+    src = tmp_path / '99-bad.txt'
+    src.write_text(text, encoding='utf-8')
+    with pytest.raises(ValueError, match=re.escape(message)):
+        nbpair.parse(src)
+
+
+def _python_blocks(markdown):
+    return re.findall(r'```python\n(.*?)```', markdown, flags=re.S)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_code_in_markdown_solutions_parses_and_names_real_helpers(name):
+    # Worked solutions in <details> blocks are never executed: at least they must be
+    # valid Python (IPython magics aside) and every common.X they use must exist.
+    import ast
+
+    import common
+    for lang in ('en', 'zh'):
+        for i, cell in enumerate(load(ROOT / 'notebooks' / lang / name).cells):
+            if cell.cell_type != 'markdown':
+                continue
+            for block in _python_blocks(cell.source):
+                code = '\n'.join(line for line in block.splitlines()
+                                 if not line.lstrip().startswith(('%', '!')))
+                try:
+                    tree = ast.parse(code)
+                except SyntaxError as error:
+                    pytest.fail(f'{lang}/{name} cell {i}: a solution does not parse: {error}')
+                used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                        and isinstance(node.value, ast.Name) and node.value.id == 'common'}
+                missing = sorted(u for u in used if not hasattr(common, u))
+                assert not missing, f'{lang}/{name} cell {i}: common has no {missing}'

@@ -1,0 +1,89 @@
+"""Checks that only a GPU can run: the course's CUDA and NCCL paths, for real.
+
+They are skipped on machines without CUDA (CI has none). Run them on a GPU
+machine with `python -m pytest tests/test_gpu.py`; tools/gpu_smoke.py runs the
+notebooks there. Every comparison is between two measurements of one run.
+"""
+import pytest
+import torch
+
+import common
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+
+
+def test_launch_with_nccl_communicates_gpu_tensors():
+    n = min(2, common.num_gpus())
+    assert common.launch(common.allreduce_check, n, backend='nccl') == [n * (n + 1) / 2] * n
+    assert max(common.launch(common.ring_check, n, 1001, backend='nccl')) < 1e-5
+
+
+def test_dp_worker_on_nccl_trains_on_the_gpu_like_on_the_cpu(fashion_mnist_available):
+    run = dict(batch_size=64, lr=0.2, steps=2, subset=256, full_fp32=True)
+    gpu = common.launch(common.dp_worker, 1, run, backend='nccl')[0]
+    cpu = common.launch(common.dp_worker, 1, run, backend='gloo')[0]
+    assert (gpu['device'], cpu['device']) == ('cuda:0', 'cpu')
+    difference = common.step_difference(common.lenet_params(0), gpu['params'], cpu['params'])
+    print(f'dp_worker, 2 steps: GPU (full FP32) against CPU: {difference:.1e} of the step')
+    assert difference < common.step_tolerance(torch.float32, 'cuda')
+
+
+@pytest.fixture
+def fashion_mnist_available():
+    try:
+        return common.find_fashion_mnist(download=False)
+    except FileNotFoundError:
+        pytest.skip('Fashion-MNIST is not on this machine')
+
+
+def test_full_fp32_removes_the_tf32_error_of_convolutions():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, 28, 28, device='cuda')
+    w = torch.randn(64, 32, 3, 3, device='cuda')
+    exact = torch.nn.functional.conv2d(x.double(), w.double())
+    knob = torch.backends.cudnn.conv
+    saved = knob.fp32_precision
+    try:
+        knob.fp32_precision = 'tf32'
+        fast = torch.nn.functional.conv2d(x, w)
+        with common.full_fp32():
+            full = torch.nn.functional.conv2d(x, w)
+        assert knob.fp32_precision == 'tf32'
+    finally:
+        knob.fp32_precision = saved
+    err_tf32 = float((fast.double() - exact).abs().max())
+    err_full = float((full.double() - exact).abs().max())
+    print(f'largest error: TF32 {err_tf32:.2e}, full FP32 {err_full:.2e}')
+    assert err_full < err_tf32 / 10
+
+
+def test_data_parallel_step_equals_single_device_step_on_the_gpu():
+    torch.manual_seed(0)
+    X, y = torch.rand(256, 1, 28, 28), torch.randint(0, 10, (256,))
+    params = common.lenet_params(seed=2)
+    devices = common.replica_devices(2)
+    with common.full_fp32():
+        replicas = [common.get_params(params, d) for d in devices]
+        common.train_batch(X, y, replicas, devices, lr=0.2)
+        single = [common.get_params(params, devices[0])]
+        common.train_batch(X, y, single, devices[:1], lr=0.2)
+    difference = common.step_difference(params, replicas[0], single[0])
+    print(f'2 replicas against 1 device, on the GPU: {difference:.1e} of the step')
+    assert difference < common.step_tolerance(torch.float32, devices[0])
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(replicas[0], replicas[1]))
+
+
+def test_measure_without_sync_sees_the_gpu_run_ahead():
+    m = torch.randn(4096, 4096, device='cuda')
+    queued = common.measure(lambda: torch.mm(m, m), repeats=7, sync=False, device='cuda')
+    finished = common.measure(lambda: torch.mm(m, m), repeats=7, sync=True, device='cuda')
+    print(f'4096² product: returns after {queued * 1e6:.0f} µs, done after {finished * 1e6:.0f} µs')
+    assert queued < finished / 2
+
+
+def test_synchronize_waits_for_queued_work():
+    m = torch.randn(4096, 4096, device='cuda')
+    for _ in range(20):
+        m = m @ m / 4096
+    common.synchronize()
+    assert torch.cuda.current_stream().query()

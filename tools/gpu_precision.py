@@ -1,0 +1,51 @@
+"""Diagnostic for GPU runs: how far apart are one data-parallel step and one single-device step?
+
+Prints, for each LeNet parameter tensor, the largest difference between the
+parameter *updates* of two computations, divided by the largest update, for:
+k=2 replicas vs one device (CPU fp32, GPU full fp32, GPU TF32), and each of
+those against a float64 computation of the same step. Used to choose the
+tolerances of common.tolerances(); see the closing note of the issue that
+added it.
+"""
+import torch
+
+import common
+
+
+def step(params, X, y, devices, dtype=torch.float32):
+    replicas = [common.get_params([p.to(dtype) for p in params], d) for d in devices]
+    common.train_batch(X.to(dtype), y, replicas, devices, lr=0.2)
+    return [[(q.detach().double().cpu() - p.double()) for q, p in zip(r, params)] for r in replicas]
+
+
+def rel(a, b):
+    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)) for x, y in zip(a, b))
+
+
+def main():
+    torch.manual_seed(0)
+    train, _ = common.fashion_mnist_datasets(subset=2048, download=False)
+    X, y = train.tensors[0][:256], train.tensors[1][:256]
+    params = common.lenet_params(seed=0)
+    devs = {'cpu': torch.device('cpu')}
+    if torch.cuda.is_available():
+        devs['cuda'] = torch.device('cuda:0')
+    ref = step(params, X, y, [torch.device('cpu')], torch.float64)[0]
+    for name, d in devs.items():
+        modes = [('full fp32', True)] + ([('tf32', False)] if d.type == 'cuda' else [])
+        for mode, full in modes:
+            ctx = common.full_fp32() if full else torch.backends.cudnn.flags(enabled=True)
+            if not full:
+                torch.backends.cudnn.conv.fp32_precision = 'tf32'
+            with ctx:
+                one = step(params, X, y, [d])[0]
+                two = step(params, X, y, [d, d])[0]
+            print(f'{name:>4} {mode:>9}: k=2 vs k=1 {rel(two, one):.1e}; '
+                  f'k=1 vs float64 {rel(one, ref):.1e}; k=2 vs float64 {rel(two, ref):.1e}; '
+                  f'per tensor k=2 vs k=1: ' + ' '.join(f'{rel([a], [b]):.0e}' for a, b in zip(two, one)))
+            abs_diff = max(float((a - b).abs().max()) for a, b in zip(two, one))
+            print(f'      largest absolute difference of the updates: {abs_diff:.1e}')
+
+
+if __name__ == '__main__':
+    main()
