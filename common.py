@@ -484,67 +484,6 @@ def settings(**per_tier):
 # GPUs asks for them and then puts every tensor it sends on cuda:<its rank>.
 
 
-class WorkerError(RuntimeError):
-    """A worker process failed; the message holds its rank and traceback."""
-
-
-class _RemoteTraceback(Exception):
-    def __str__(self):
-        return self.args[0]
-
-
-def _watch_parent(parent_pid):
-    # Exit if the launching process disappears (kernel killed): no orphans.
-    def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(3)
-            time.sleep(0.5)
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _worker_main(rank, world_size, port, backend, threads, fn, args, results, parent_pid,
-                 op_timeout=None):
-    """Entry point of a worker process started by launch()."""
-    _watch_parent(parent_pid)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR='127.0.0.1',
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(threads)
-    joined = False
-    try:
-        if backend == 'nccl':
-            torch.cuda.set_device(rank)
-        store = dist.TCPStore('127.0.0.1', port, world_size + 1, is_master=False)
-        extra = {} if op_timeout is None else {'timeout': datetime.timedelta(seconds=op_timeout)}
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **extra)
-        joined = True
-        outcome = (rank, 'ok', fn(rank, world_size, *args))
-    except BaseException as e:
-        tb = traceback.format_exc()
-        try:
-            pickle.dumps(e)
-            exc = e
-        except Exception:
-            exc = None
-        outcome = (rank, 'error', (exc, tb, time.time()))
-    # Report before leaving the group: leaving makes peers fail, and their
-    # secondary errors must not arrive ahead of this one. Plain pickle copies
-    # tensors by value (torch's queue would share them through this process,
-    # which is about to exit).
-    try:
-        message = pickle.dumps(outcome)
-    except Exception:
-        message = pickle.dumps((rank, 'error', (None, f'result of rank {rank} cannot be pickled:\n'
-                                                   f'{traceback.format_exc()}', time.time())))
-    results.put(message)
-    if joined:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
 def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_timeout=None,
            names=None):
     """Run fn(rank, world_size, *args) in `world_size` processes joined by torch.distributed.
@@ -628,77 +567,8 @@ def allreduce_check(rank, world_size):
     return t.item()
 
 
-def _label(rank, names):
-    return f'rank {rank} ({names[rank]})' if names else f'rank {rank}'
-
-
-def _exit_text(code):
-    if code is not None and code < 0:
-        try:
-            return f'code {code} ({signal.Signals(-code).name})'
-        except ValueError:
-            pass
-    return f'code {code}'
-
-
-def _raise_first_error(rank, payload, results, procs, names, grace=1.0):
-    # Peers of a failed worker fail too (connection closed): wait a moment for
-    # their reports and raise the root cause.
-    # A process that died without reporting (killed, crashed) is the root
-    # cause of everything its peers report, so it is named first.
-    errors = [(payload[2], rank, payload)]
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        try:
-            r, status, p = pickle.loads(results.get(timeout=max(0.01, deadline - time.monotonic())))
-        except queue.Empty:
-            break
-        if status == 'error':
-            errors.append((p[2], r, p))
-    # A closed connection is a consequence (the peer died, timed out or gave up first):
-    # prefer any other error, then the earliest.
-    secondary = ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe')
-    _, rank, (exc, tb, _) = min(errors, key=lambda e: (any(s in e[2][1] for s in secondary), e[0]))
-    remote = _RemoteTraceback(f'\n--- worker {_label(rank, names)} ---\n{tb}')
-    reported = {e[1] for e in errors}
-    silent = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
-    if silent:
-        r = silent[0]
-        last = tb.strip().splitlines()[-1] if tb.strip() else repr(exc)
-        raise WorkerError(f'{_label(r, names)} exited with {_exit_text(procs[r].exitcode)} without '
-                          f'reporting a result (killed or crashed); {_label(rank, names)} noticed '
-                          f'first: {last}') from remote
-    if exc is None:
-        raise WorkerError(f'worker {_label(rank, names)} failed:\n{tb}')
-    raise exc from remote
-
-
-def _collect(procs, results, timeout, names=None):
-    deadline = time.monotonic() + timeout
-    done = {}
-    while len(done) < len(procs):
-        try:
-            rank, status, payload = pickle.loads(results.get(timeout=0.2))
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs)
-                    if r not in done and p.exitcode is not None]
-            if dead:
-                time.sleep(0.5)  # a message sent just before exit may still be in flight
-                if results.empty():
-                    r = dead[0]
-                    raise WorkerError(f'worker {_label(r, names)} exited with '
-                                      f'{_exit_text(procs[r].exitcode)} without reporting a '
-                                      'result (killed or crashed).')
-                continue
-            if time.monotonic() > deadline:
-                waiting = sorted(set(range(len(procs))) - set(done))
-                raise TimeoutError(f'worker rank(s) {waiting} did not finish within '
-                                   f'{timeout} s; all workers were stopped.')
-            continue
-        if status == 'error':
-            _raise_first_error(rank, payload, results, procs, names)
-        done[rank] = payload
-    return [done[r] for r in range(len(procs))]
+class WorkerError(RuntimeError):
+    """A worker process failed; the message holds its rank and traceback."""
 
 
 def free_port():
@@ -782,7 +652,140 @@ def stop_process_tree(popen, grace=5):
     popen.wait()
 
 
-# --------------------------------------------------------------- measuring (01-04)
+# How launch() works: its workers, error reports and clean-up.
+
+
+class _RemoteTraceback(Exception):
+    def __str__(self):
+        return self.args[0]
+
+
+def _watch_parent(parent_pid):
+    # Exit if the launching process disappears (kernel killed): no orphans.
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(0.5)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _worker_main(rank, world_size, port, backend, threads, fn, args, results, parent_pid,
+                 op_timeout=None):
+    """Entry point of a worker process started by launch()."""
+    _watch_parent(parent_pid)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR='127.0.0.1',
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    joined = False
+    try:
+        if backend == 'nccl':
+            torch.cuda.set_device(rank)
+        store = dist.TCPStore('127.0.0.1', port, world_size + 1, is_master=False)
+        extra = {} if op_timeout is None else {'timeout': datetime.timedelta(seconds=op_timeout)}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **extra)
+        joined = True
+        outcome = (rank, 'ok', fn(rank, world_size, *args))
+    except BaseException as e:
+        tb = traceback.format_exc()
+        try:
+            pickle.dumps(e)
+            exc = e
+        except Exception:
+            exc = None
+        outcome = (rank, 'error', (exc, tb, time.time()))
+    # Report before leaving the group: leaving makes peers fail, and their
+    # secondary errors must not arrive ahead of this one. Plain pickle copies
+    # tensors by value (torch's queue would share them through this process,
+    # which is about to exit).
+    try:
+        message = pickle.dumps(outcome)
+    except Exception:
+        message = pickle.dumps((rank, 'error', (None, f'result of rank {rank} cannot be pickled:\n'
+                                                   f'{traceback.format_exc()}', time.time())))
+    results.put(message)
+    if joined:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _label(rank, names):
+    return f'rank {rank} ({names[rank]})' if names else f'rank {rank}'
+
+
+def _exit_text(code):
+    if code is not None and code < 0:
+        try:
+            return f'code {code} ({signal.Signals(-code).name})'
+        except ValueError:
+            pass
+    return f'code {code}'
+
+
+def _raise_first_error(rank, payload, results, procs, names, grace=1.0):
+    # Peers of a failed worker fail too (connection closed): wait a moment for
+    # their reports and raise the root cause.
+    # A process that died without reporting (killed, crashed) is the root
+    # cause of everything its peers report, so it is named first.
+    errors = [(payload[2], rank, payload)]
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            r, status, p = pickle.loads(results.get(timeout=max(0.01, deadline - time.monotonic())))
+        except queue.Empty:
+            break
+        if status == 'error':
+            errors.append((p[2], r, p))
+    # A closed connection is a consequence (the peer died, timed out or gave up first):
+    # prefer any other error, then the earliest.
+    secondary = ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe')
+    _, rank, (exc, tb, _) = min(errors, key=lambda e: (any(s in e[2][1] for s in secondary), e[0]))
+    remote = _RemoteTraceback(f'\n--- worker {_label(rank, names)} ---\n{tb}')
+    reported = {e[1] for e in errors}
+    silent = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+    if silent:
+        r = silent[0]
+        last = tb.strip().splitlines()[-1] if tb.strip() else repr(exc)
+        raise WorkerError(f'{_label(r, names)} exited with {_exit_text(procs[r].exitcode)} without '
+                          f'reporting a result (killed or crashed); {_label(rank, names)} noticed '
+                          f'first: {last}') from remote
+    if exc is None:
+        raise WorkerError(f'worker {_label(rank, names)} failed:\n{tb}')
+    raise exc from remote
+
+
+def _collect(procs, results, timeout, names=None):
+    deadline = time.monotonic() + timeout
+    done = {}
+    while len(done) < len(procs):
+        try:
+            rank, status, payload = pickle.loads(results.get(timeout=0.2))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if r not in done and p.exitcode is not None]
+            if dead:
+                time.sleep(0.5)  # a message sent just before exit may still be in flight
+                if results.empty():
+                    r = dead[0]
+                    raise WorkerError(f'worker {_label(r, names)} exited with '
+                                      f'{_exit_text(procs[r].exitcode)} without reporting a '
+                                      'result (killed or crashed).')
+                continue
+            if time.monotonic() > deadline:
+                waiting = sorted(set(range(len(procs))) - set(done))
+                raise TimeoutError(f'worker rank(s) {waiting} did not finish within '
+                                   f'{timeout} s; all workers were stopped.')
+            continue
+        if status == 'error':
+            _raise_first_error(rank, payload, results, procs, names)
+        done[rank] = payload
+    return [done[r] for r in range(len(procs))]
+
+
+# --------------------------------------------------------------- measuring (00-05)
 
 
 def synchronize(device=None):
