@@ -102,6 +102,29 @@ FIGURE_TEXT = {
     'sum(list) handles one Python object per number: overhead-bound':
         'sum(list) 每个数都要处理一个 Python 对象：受开销限制',
     # 01
+    'compile time, empty cache over filled cache': '编译时间：空缓存与已填充缓存之比',
+    'the cache made little difference here': '缓存在这里作用不大',
+    'the cache saved most of the work: a machine pays for the first compile once':
+        '缓存省下了大部分工作：一台机器只需为第一次编译付一次代价',
+    'compile speed-up at the smallest batch': '最小批量下 compile 的加速比',
+    'compile is slower: it adds per-call work and there is no arithmetic to save':
+        'compile 更慢：它给每次调用增加了工作，而这里没有可省的算术',
+    'no clear difference': '没有明显差别',
+    'compile is faster even here': '即使在这里 compile 也更快',
+    'script speed-up at the smallest batch': '最小批量下 script 的加速比',
+    'TorchScript is slower': 'TorchScript 更慢',
+    'TorchScript makes no real difference': 'TorchScript 没有实质差别',
+    'TorchScript helps a little: its interpreter is leaner than Python':
+        'TorchScript 略有帮助：它的解释器比 Python 精简',
+    'compile speed-up at the largest batch': '最大批量下 compile 的加速比',
+    'compile is still slower at the largest batch': '在最大批量下 compile 仍然更慢',
+    'within 10% of eager: the matrix products dominate': '与 eager 相差不到 10%：矩阵乘法占主导',
+    'compile is faster at the largest batch': '在最大批量下 compile 更快',
+    'fused chain, in copies of the tensor': '融合后的运算链，折合成张量拷贝的次数',
+    'about one copy: memory-bound, near the best this memory allows':
+        '约等于一次拷贝：受内存带宽限制，已接近这块内存所能达到的最好成绩',
+    'more than one copy: something besides memory traffic costs time here':
+        '超过一次拷贝：除了内存读写，这里还有别的因素在耗时',
     'batch size': '批量大小', 'µs per sample': '每个样本耗时（µs）',
     '512-256-128-2 MLP, inference': '512-256-128-2 多层感知机，推理',
     # 02

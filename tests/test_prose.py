@@ -238,6 +238,11 @@ def backs(printed, written):
     return value.quantize(step, rounding=ROUND_HALF_UP) == target
 
 
+def is_parity(number, family):
+    """A ratio of exactly 1 ("above 1× means faster") is a definition, not a measurement."""
+    return family == '×' and _decimal(number) == 1
+
+
 def find_unbacked_numbers(nb):
     """The measured quantities in the markdown of `nb` that no stored output backs and no
     source label (or given-marker) covers; every end of a range must be backed."""
@@ -250,8 +255,8 @@ def find_unbacked_numbers(nb):
             if has_source_label(block):
                 continue
             for q in quantities(strip_markup(block.text)):
-                missing = [n for n in q.numbers
-                           if not any(backs(p, n) for p in printed.get(q.family, []))]
+                missing = [n for n in q.numbers if not is_parity(n, q.family)
+                           and not any(backs(p, n) for p in printed.get(q.family, []))]
                 if missing:
                     reason = f'{" and ".join(missing)} ({q.family}) is not in any stored output'
                     findings.append(Finding(index, q.text, reason))
@@ -348,6 +353,7 @@ def test_the_checker_ignores_numbers_that_are_not_measurements():
     assert unbacked('Run `print(f"{t:.1f} s")`, see [the log](logs/20s.txt) or https://x.org/20s.') == []
     assert unbacked('The bandwidth term stays below 2s/b.') == []  # s is a size here
     assert unbacked('The 笔记本 stores 20 秒.') == ['20 秒']  # 笔记本 (notebook) is no source label
+    assert unbacked('Above 1× is faster; 比值趋近 1 倍. It was 1.5× here.') == ['1.5×']  # parity is a definition
 
 
 def test_the_rule_for_the_same_value():
