@@ -17,7 +17,7 @@ with the sections that use it ("Used in: ..."). The map:
                                  stop_process_tree
                                  (infrastructure: you need not read it to follow the course)
   measuring              01-05   synchronize, Timer, Benchmark, measure, verdict,
-                                 full_fp32, step_difference, step_tolerance,
+                                 text, full_fp32, step_difference, step_tolerance,
                                  quiet_native_stderr
   pictures               02, 03, 07   plot_timeline, show_source
   data                   00, 05-07    find_fashion_mnist, fashion_mnist_datasets,
@@ -128,6 +128,23 @@ FIGURE_TEXT = {
     'batch size': '批量大小', 'µs per sample': '每个样本耗时（µs）',
     '512-256-128-2 MLP, inference': '512-256-128-2 多层感知机，推理',
     # 02
+    'time until returned over time until finished': '返回所需时间与完成所需时间之比',
+    'the loop returned long before the work was done: asynchronous':
+        '循环在工作完成之前很久就返回了：异步执行',
+    'returning took as long as finishing: the operators ran synchronously':
+        '返回与完成用时相当：算子是同步执行的',
+    'NumPy time over PyTorch time, both float32': 'NumPy 与 PyTorch 的耗时之比（都用 float32）',
+    'NumPy is faster here': '这里 NumPy 更快',
+    'about the same: both hand the product to a BLAS library': '大致相同：二者都把矩阵乘法交给 BLAS 库',
+    'PyTorch is faster here': '这里 PyTorch 更快',
+    'peak memory, results kept over nothing kept': '显存峰值：保留结果与不保留结果之比',
+    'keeping references is what holds memory; queued kernels alone do not':
+        '占住显存的是保留下来的引用；排队的内核本身并不会',
+    'no difference: something else holds the memory here': '没有差别：这里占住显存的是别的东西',
+    'No GPU here: PyTorch runs CPU operators synchronously, so nothing waits in a queue. '
+    'The simulated back end above shows what running ahead holds.':
+        '这里没有 GPU：PyTorch 在 CPU 上同步执行算子，没有任何东西在队列中等待。'
+        '上面的模拟后端展示了跑在前面时会占住哪些内存。',
     'wait for every result: n(t1 + t2 + t3)': '每个结果都等待：n(t1 + t2 + t3)',
     'submit without waiting: about n·max(t1, t2)': '提交后不等待：约 n·max(t1, t2)',
     'never wait': '从不等待', 'sync once per minibatch': '每个小批量同步一次',
@@ -135,6 +152,29 @@ FIGURE_TEXT = {
     'MB held by queued work': '排队的工作占用的内存（MB）',
     'memory pinned by the queue': '队列占住的内存',
     # 03
+    'two threads against intra-op threads': '两个线程与算子内线程的加速比',
+    'intra-op parallelism wins here': '这里算子内并行更快',
+    'about the same: both use the cores': '大致相同：二者都用上了这些核心',
+    'two threads win here': '这里两个线程更快',
+    '8 threads against all cores per product': '8 个线程与每次乘法用满所有核心的加速比',
+    'letting each product use all cores is faster than our 8 threads':
+        '让每次乘法用满所有核心，比我们的 8 个线程更快',
+    'no difference: the number of cores is the limit, not the number of operators':
+        '没有差别：上限是核心数，而不是算子数',
+    'our 8 threads beat all-cores-per-product here': '这里我们的 8 个线程比每次乘法用满所有核心更快',
+    'small products: intra-op threads over one core': '小矩阵乘法：算子内线程相对单核的加速比',
+    'intra-op threads make small operators slower': '算子内线程让小算子变慢',
+    'intra-op threads change nothing for small operators': '算子内线程对小算子没有影响',
+    'intra-op threads help even small operators here': '这里算子内线程连小算子也能加速',
+    'small products: two Python threads over one core': '小矩阵乘法：两个 Python 线程相对单核的加速比',
+    'two Python threads make small operators slower': '两个 Python 线程让小算子变慢',
+    'two Python threads change nothing for small operators': '两个 Python 线程对小算子没有影响',
+    'two Python threads help small operators here': '这里两个 Python 线程能加速小算子',
+    'small products: one batched call over the loop': '小矩阵乘法：一次批量调用相对循环的加速比',
+    'the batched call is slower than the loop here': '这里批量调用比循环更慢',
+    'batching changes little: the per-call cost is a small share here':
+        '批量化作用不大：这里每次调用的成本占比很小',
+    'batching wins: it removes the per-call cost': '批量化胜出：它消除了每次调用的成本',
     'two independent workloads: one after the other, then in two threads':
         '两个相互独立的工作负载：先依次执行，再在两个线程中执行',
     'dependency depth': '依赖深度',
@@ -912,12 +952,16 @@ def measure(fn, *args, repeats=None, sync=True, device=None, min_run_time=0.2):
     return float(np.median(times))
 
 
-def _text(text):
-    # Printed text in the notebook's language: English looked up in FIGURE_TEXT
-    # (code cells stay free of Chinese), or an explicit (English, Chinese) pair.
-    if isinstance(text, (tuple, list)):
-        return say(*text)
-    return FIGURE_TEXT.get(text, text) if course_language() == 'zh' else text
+def text(message):
+    """A sentence printed for the reader, in the notebook's language.
+
+    English is looked up in FIGURE_TEXT, so code cells stay the same, and free
+    of Chinese, in both languages; an (English, Chinese) pair works too.
+    Used in: 02, and by verdict().
+    """
+    if isinstance(message, (tuple, list)):
+        return say(*message)
+    return FIGURE_TEXT.get(message, message) if course_language() == 'zh' else message
 
 
 def verdict(what, value, cases, unit='×', digits=2, shown=None):
@@ -947,14 +991,14 @@ def verdict(what, value, cases, unit='×', digits=2, shown=None):
         raise ValueError(f'the cases\' upper bounds must increase, got {bounds}.')
     if not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f'verdict() needs a measured number, got {value!r}.')
-    for bound, key, text in cases:
+    for bound, key, case_text in cases:
         if value < bound:
             break
     else:
         raise ValueError(f'{value!r} is not below any case bound {bounds}: add a last case '
                          'with math.inf.')
     number = shown if shown is not None else f'{value:.{digits}f}{unit}'
-    print(say('Verdict: ', '结论：') + f'{_text(what)}{say(": ", "：")}{number} → {_text(text)}')
+    print(say('Verdict: ', '结论：') + f'{text(what)}{say(": ", "：")}{number} → {text(case_text)}')
     return key
 
 

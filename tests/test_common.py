@@ -897,6 +897,10 @@ def _tr_literals():
                         if isinstance(case, ast.Tuple) and len(case.elts) == 3]
                     found |= {t.value for t in texts if isinstance(t, ast.Constant)
                               and isinstance(t.value, str)}
+                if isinstance(node, ast.Call) and getattr(node.func, 'attr', None) == 'text' \
+                        and getattr(node.func.value, 'id', None) == 'common' \
+                        and node.args and isinstance(node.args[0], ast.Constant):
+                    found.add(node.args[0].value)
                 if isinstance(node, ast.Call) and getattr(node.func, 'attr', None) == 'tr' \
                         and node.args and isinstance(node.args[0], ast.Constant):
                     found.add(node.args[0].value)
