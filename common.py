@@ -102,7 +102,7 @@ FIGURE_TEXT = {
     'sum(list) handles one Python object per number: overhead-bound':
         'sum(list) 每个数都要处理一个 Python 对象：受开销限制',
     # 01
-    'compile time, empty cache over filled cache': '编译时间：空缓存与已填充缓存之比',
+    'compile time, empty cache over filled cache': '空缓存与已填充缓存的编译时间之比',
     'the cache made little difference here': '缓存在这里作用不大',
     'the cache saved most of the work: a machine pays for the first compile once':
         '缓存省下了大部分工作：一台机器只需为第一次编译付一次代价',
@@ -137,14 +137,14 @@ FIGURE_TEXT = {
     'NumPy is faster here': '这里 NumPy 更快',
     'about the same: both hand the product to a BLAS library': '大致相同：二者都把矩阵乘法交给 BLAS 库',
     'PyTorch is faster here': '这里 PyTorch 更快',
-    'peak memory, results kept over nothing kept': '显存峰值：保留结果与不保留结果之比',
+    'peak memory, results kept over nothing kept': '保留结果与不保留结果的显存峰值之比',
     'keeping references is what holds memory; queued kernels alone do not':
-        '占住显存的是保留下来的引用；排队的内核本身并不会',
+        '占住显存的是保留下来的引用，而不是排队的内核本身',
     'no difference: something else holds the memory here': '没有差别：这里占住显存的是别的东西',
     'No GPU here: PyTorch runs CPU operators synchronously, so nothing waits in a queue. '
     'The simulated back end above shows what running ahead holds.':
         '这里没有 GPU：PyTorch 在 CPU 上同步执行算子，没有任何东西在队列中等待。'
-        '上面的模拟后端展示了跑在前面时会占住哪些内存。',
+        '上面的模拟后端展示了前端跑在前面时会占住哪些内存。',
     'wait for every result: n(t1 + t2 + t3)': '每个结果都等待：n(t1 + t2 + t3)',
     'submit without waiting: about n·max(t1, t2)': '提交后不等待：约 n·max(t1, t2)',
     'never wait': '从不等待', 'sync once per minibatch': '每个小批量同步一次',
@@ -162,15 +162,15 @@ FIGURE_TEXT = {
     'no difference: the number of cores is the limit, not the number of operators':
         '没有差别：上限是核心数，而不是算子数',
     'our 8 threads beat all-cores-per-product here': '这里我们的 8 个线程比每次乘法用满所有核心更快',
-    'small products: intra-op threads over one core': '小矩阵乘法：算子内线程相对单核的加速比',
+    'small products: intra-op threads over one core': '小矩阵乘法下，算子内线程相对单核的加速比',
     'intra-op threads make small operators slower': '算子内线程让小算子变慢',
     'intra-op threads change nothing for small operators': '算子内线程对小算子没有影响',
     'intra-op threads help even small operators here': '这里算子内线程连小算子也能加速',
-    'small products: two Python threads over one core': '小矩阵乘法：两个 Python 线程相对单核的加速比',
+    'small products: two Python threads over one core': '小矩阵乘法下，两个 Python 线程相对单核的加速比',
     'two Python threads make small operators slower': '两个 Python 线程让小算子变慢',
     'two Python threads change nothing for small operators': '两个 Python 线程对小算子没有影响',
     'two Python threads help small operators here': '这里两个 Python 线程能加速小算子',
-    'small products: one batched call over the loop': '小矩阵乘法：一次批量调用相对循环的加速比',
+    'small products: one batched call over the loop': '小矩阵乘法下，一次批量调用相对循环的加速比',
     'the batched call is slower than the loop here': '这里批量调用比循环更慢',
     'batching changes little: the per-call cost is a small share here':
         '批量化作用不大：这里每次调用的成本占比很小',
