@@ -151,6 +151,19 @@ FIGURE_TEXT = {
     'time (ms)': '时间（ms）', 'time ({unit})': '时间（{unit}）',
     'MB held by queued work': '排队的工作占用的内存（MB）',
     'memory pinned by the queue': '队列占住的内存',
+    # timeline lanes (02, 03)
+    'front end': '前端', 'back end': '后端', 'front end waits': '前端等待',
+    'sequential': '依次执行', 'parallel: thread 1': '并行：线程 1', 'parallel: thread 2': '并行：线程 2',
+    'bus 1': '总线 1', 'bus 2': '总线 2',
+    'read the loss every {k} steps': '每 {k} 步读取一次损失',
+    'never read the loss inside the loop': '循环中从不读取损失',
+    'loop time, reading the loss every step over never reading it':
+        '每步都读取损失与从不读取时的循环耗时之比',
+    'reading the loss every step cost nothing here: the back end was the bottleneck anyway':
+        '每步读取损失在这里没有代价：后端本来就是瓶颈',
+    'reading the loss every step made the loop slower: the front end waited instead of preparing the next batch':
+        '每步读取损失让循环变慢了：前端在等待，而没有去准备下一个批量',
+    'read the loss every k steps (0: never)': '每 k 步读取一次损失（0：从不）',
     # 03
     'two threads against intra-op threads': '两个线程与算子内线程的加速比',
     'intra-op parallelism wins here': '这里算子内并行更快',
@@ -964,6 +977,17 @@ def text(message):
     return FIGURE_TEXT.get(message, message) if course_language() == 'zh' else message
 
 
+class Case(str):
+    """The key of the case verdict() chose: an ordinary string that a notebook does not echo.
+
+    A cell that ends with common.verdict(...) shows only the printed verdict line.
+    Used by verdict().
+    """
+
+    def _ipython_display_(self):
+        pass
+
+
 def verdict(what, value, cases, unit='×', digits=2, shown=None):
     """Print the conclusion a measurement supports, in the notebook's language; return its case.
 
@@ -999,7 +1023,7 @@ def verdict(what, value, cases, unit='×', digits=2, shown=None):
                          'with math.inf.')
     number = shown if shown is not None else f'{value:.{digits}f}{unit}'
     print(say('Verdict: ', '结论：') + f'{text(what)}{say(": ", "：")}{number} → {text(case_text)}')
-    return key
+    return Case(key)
 
 
 @contextlib.contextmanager
@@ -1082,7 +1106,8 @@ def quiet_native_stderr():
 def plot_timeline(spans, lanes=None, ax=None, title=None, unit='ms'):
     """Draw (lane, start, end, label) spans as a timeline, one row per lane; return ax.
 
-    Times are in seconds and drawn in `unit` ('s', 'ms' or 'us'). Used in: 02, 03.
+    Times are in seconds and drawn in `unit` ('s', 'ms' or 'us'); lane names are
+    shown through tr(), so a Chinese notebook labels its lanes in Chinese. Used in: 02, 03.
     """
     import matplotlib.pyplot as plt
     scale = {'s': 1, 'ms': 1e3, 'us': 1e6}[unit]
@@ -1098,7 +1123,7 @@ def plot_timeline(spans, lanes=None, ax=None, title=None, unit='ms'):
         if label:
             ax.text(start * scale + width / 2, row, label, ha='center', va='center',
                     fontsize=7, clip_on=True)
-    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_yticks(range(len(lanes)), [tr(lane) for lane in lanes])
     ax.invert_yaxis()
     ax.set_xlabel(tr('time ({unit})', unit=unit))
     ax.grid(True, axis='x', alpha=0.3)
