@@ -155,15 +155,7 @@ FIGURE_TEXT = {
     'front end': '前端', 'back end': '后端', 'front end waits': '前端等待',
     'sequential': '依次执行', 'parallel: thread 1': '并行：线程 1', 'parallel: thread 2': '并行：线程 2',
     'bus 1': '总线 1', 'bus 2': '总线 2',
-    'read the loss every {k} steps': '每 {k} 步读取一次损失',
-    'never read the loss inside the loop': '循环中从不读取损失',
-    'loop time, reading the loss every step over never reading it':
-        '每步都读取损失与从不读取时的循环耗时之比',
-    'reading the loss every step cost nothing here: the back end was the bottleneck anyway':
-        '每步读取损失在这里没有代价：后端本来就是瓶颈',
-    'reading the loss every step made the loop slower: the front end waited instead of preparing the next batch':
-        '每步读取损失让循环变慢了：前端在等待，而没有去准备下一个批量',
-    'read the loss every k steps (0: never)': '每 k 步读取一次损失（0：从不）',
+    'read the result every k steps (0: never)': '每 k 步读取一次结果（0：从不）',
     # 03
     'two threads against intra-op threads': '两个线程与算子内线程的加速比',
     'intra-op parallelism wins here': '这里算子内并行更快',
@@ -474,29 +466,25 @@ def _parse_override(text):
     return tier, values
 
 
+def _kind(value):
+    # The kinds an override is checked against: an int may stand where a float is
+    # expected, a list where a tuple is, and bool is not a number here.
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__.replace('NoneType', 'None')
+    return {int: 'number', float: 'number', list: 'list', tuple: 'list'}.get(type(value), type(value).__name__)
+
+
 def _fits(value, examples):
-    # Does an override have the type of the notebook's own values for that key?
-    for example in examples:
-        if example is None:
-            if value is None:
-                return True
-        elif isinstance(example, bool) or isinstance(value, bool):
-            if isinstance(value, bool) and isinstance(example, bool):
-                return True
-        elif isinstance(example, (int, float)):
-            if isinstance(value, int) or (isinstance(value, float) and isinstance(example, float)):
-                return True
-        elif isinstance(example, (list, tuple)):
-            if isinstance(value, (list, tuple)):
-                return True
-        elif isinstance(value, type(example)):
-            return True
-    return False
+    # Does an override have the kind of the notebook's own values for that key?
+    # A whole-number setting refuses a float (epochs=2.5); a float setting takes an int.
+    if isinstance(value, float) and all(isinstance(e, int) and not isinstance(e, bool) for e in examples):
+        return False
+    return _kind(value) in {_kind(e) for e in examples}
 
 
 def _type_names(examples):
-    names = {'NoneType': 'None', 'tuple': 'list', 'list': 'list'}
-    return ' or '.join(sorted({names.get(type(e).__name__, type(e).__name__) for e in examples}))
+    return ' or '.join(sorted({'int' if isinstance(e, int) and not isinstance(e, bool)
+                                else _kind(e) for e in examples}))
 
 
 def settings(**per_tier):

@@ -501,7 +501,7 @@ def test_every_worker_the_notebooks_launch_runs_whatever_the_gpu_count(fashion_m
     bench = common.launch(common.comm_benchmark, 2, [4096], 1, ('ring', 'all_reduce'))[0]
     assert set(bench) == {'pingpong', 'exchange', 'ring', 'all_reduce'}
     run = dict(batch_size=32, lr=0.1, steps=1, subset=64)
-    one = common.launch(common.dp_worker, 1, run, threads=1)[0]
+    one = common.launch(common.dp_worker, 1, dict(run, full_fp32=True), threads=1)[0]  # a no-op on CPUs
     two = common.launch(common.dp_worker, 2, run)
     assert {one['device'], two[0]['device'], two[1]['device']} == {'cpu'}
     assert common.step_difference(common.lenet_params(0), two[0]['params'], one['params']) \
