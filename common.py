@@ -101,6 +101,10 @@ FIGURE_TEXT = {
     'no real difference: something else dominates here': '没有实质差别：这里由别的因素主导',
     'sum(list) handles one Python object per number: overhead-bound':
         'sum(list) 每个数都要处理一个 Python 对象：受开销限制',
+    'first call over the median of the next 20': '第一次调用与随后 20 次的中位数之比',
+    'no visible one-off cost: it was paid earlier in this process':
+        '看不出一次性代价：它已在本进程早些时候付过了',
+    'the first call paid a one-off cost: warm up before timing': '第一次调用付出了一次性代价：计时之前要先预热',
     # 01
     'compile time, empty cache over filled cache': '空缓存与已填充缓存的编译时间之比',
     'the cache made little difference here': '缓存在这里作用不大',
@@ -126,8 +130,31 @@ FIGURE_TEXT = {
     'more than one copy: something besides memory traffic costs time here':
         '超过一次拷贝：除了内存读写，这里还有别的因素在耗时',
     'batch size': '批量大小', 'µs per sample': '每个样本耗时（µs）',
+    'overhead-bound': '开销受限', 'compute-bound': '计算受限',
+    'peak memory, eager over fused': 'eager 与融合版的峰值内存之比',
+    'no real saving here': '这里没有实质节省',
+    'the eager chain materialises intermediates that the fused kernel never stores':
+        'eager 运算链把中间结果都存成了张量，而融合后的内核从不存储它们',
+    'CUDA-graph speed-up at batch 1': '批量为 1 时 CUDA Graph 的加速比',
+    'no clear gain: the launches were not the cost here': '没有明显收益：这里的代价不在内核启动上',
+    'replaying one graph beats launching kernel by kernel': '重放一整张图胜过逐个启动内核',
+    'No GPU here: CUDA graphs record GPU kernels, so there is nothing to replay on a CPU.':
+        '这里没有 GPU：CUDA Graph 录制的是 GPU 内核，在 CPU 上没有可以重放的东西。',
     '512-256-128-2 MLP, inference': '512-256-128-2 多层感知机，推理',
     # 02
+    'GPU kernel time over front-end time': 'GPU 内核时间与前端时间之比',
+    'the GPU waits most of the time: the front end sets the pace': 'GPU 大部分时间在等待：由前端决定节奏',
+    'the GPU is busy: its kernels set the pace': 'GPU 很忙：由它的内核决定节奏',
+    'share of CPU time in matrix products': '矩阵乘法占 CPU 时间的比例',
+    'most of the time goes to work around the products: element-wise operators and overhead':
+        '大部分时间花在矩阵乘法之外的工作上：逐元素算子和开销',
+    'the matrix products take most of the time: arithmetic sets the pace': '矩阵乘法占了大部分时间：由算术决定节奏',
+    'the products and the work around them take comparable time: both matter': '矩阵乘法与其周围的工作耗时相当：两者都重要',
+    'No GPU here: CUDA events are timestamps that a GPU records.': '这里没有 GPU：CUDA 事件是由 GPU 记录的时间戳。',
+    'No GPU here: CPU operators never wait for a device, so there is nothing to catch.':
+        '这里没有 GPU：CPU 算子从不等待设备，所以没有什么可捕捉的。',
+    'No GPU here: CPU operators check their inputs before they return, so errors are raised where they happen.':
+        '这里没有 GPU：CPU 算子在返回之前就检查输入，所以错误就在出错的地方抛出。',
     'time until returned over time until finished': '返回所需时间与完成所需时间之比',
     'the loop returned long before the work was done: asynchronous':
         '循环在工作完成之前很久就返回了：异步执行',
@@ -157,6 +184,30 @@ FIGURE_TEXT = {
     'bus 1': '总线 1', 'bus 2': '总线 2',
     'read the result every k steps (0: never)': '每 k 步读取一次结果（0：从不）',
     # 03
+    'One GPU: two CUDA streams stand in for two devices.': '只有一块 GPU：用两个 CUDA 流代替两个设备。',
+    'Large products each fill the GPU, so the streams mostly take turns.':
+        '大型矩阵乘法各自都能占满 GPU，所以两个流大多是轮流执行。',
+    'No GPU here: there is no second device to run on. Part 3 measures the CPU equivalent '
+    '(two independent workloads in two threads).':
+        '这里没有 GPU：没有第二个设备可以运行。本节第 3 部分测量 CPU 上的对应实验（两个线程中的两项独立工作）。',
+    'No GPU here: there is no device-to-host copy to overlap. The CPU equivalent in part 3 '
+    'overlaps matrix products with large memory copies in two threads.':
+        '这里没有 GPU：没有从设备到主机的复制可以重叠。本节第 3 部分的 CPU 对应实验在两个线程中让矩阵乘法与大块内存复制重叠。',
+    'one stream over a copy stream': '单个流与使用复制流的耗时之比',
+    'no gain from the copy stream here': '复制流在这里没有带来收益',
+    'only the copy stream overlaps: one stream runs copies and products in turn':
+        '只有复制流能重叠：单个流让复制与乘法轮流执行',
+    'front-end time, pageable over pinned': '前端耗时：可分页内存与锁页内存之比',
+    'no clear difference: the GPU had little queued work': '没有明显差别：GPU 上排队的工作很少',
+    'from pinned memory the front end returns at once and can go on': '从锁页内存复制时，前端立即返回，可以继续工作',
+    'No GPU here: there is no host-to-device copy to issue.': '这里没有 GPU：没有从主机到设备的复制可以发出。',
+    'GPU, small products: one batched call over the loop': 'GPU 上的小矩阵乘法：一次批量调用相对循环的加速比',
+    'batching changes little here': '批量化在这里作用不大',
+    'batching wins: one launch instead of thousands': '批量化胜出：一次启动代替了几千次',
+    'GPU, small products: graph replay over the loop': 'GPU 上的小矩阵乘法：重放图相对循环的加速比',
+    'the graph changes little here': '图在这里作用不大',
+    'the graph wins: the launches are recorded once and replayed together': '图胜出：启动只录制一次，之后一起重放',
+    'No GPU here: the GPU version of this experiment needs a GPU.': '这里没有 GPU：这个实验的 GPU 版本需要 GPU 才能运行。',
     'two threads against intra-op threads': '两个线程与算子内线程的加速比',
     'intra-op parallelism wins here': '这里算子内并行更快',
     'about the same: both use the cores': '大致相同：二者都用上了这些核心',
@@ -1074,7 +1125,7 @@ def step_tolerance(dtype=torch.float32, device='cpu'):
 
 @contextlib.contextmanager
 def quiet_native_stderr():
-    """Silence what C++ libraries (the profiler's kineto, say) print straight to fd 2. Used in: 02."""
+    """Silence what C++ libraries (the profiler's kineto, say) print straight to fd 2. Used in: 01, 02."""
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)

@@ -53,7 +53,7 @@ SOURCE_LABELS = [
     'source:', '(source', 'datasheet', 'the notes', 'seed notes', 'd2l',
     'Dive into Deep Learning', 'textbook', 'paper', 'reference run', '[ref]',
     # Chinese: source, datasheet, notes, textbook, paper, reference run
-    '来源', '数据手册', '笔记', '教材', '论文', '参考运行',
+    '来源', '数据手册', '笔记', '原书', '教材', '论文', '参考运行',
 ]
 # Words that contain a label without being one; they are removed before the search.
 # 笔记本 is "notebook" (or "laptop"), not "the notes" (笔记).
