@@ -101,7 +101,7 @@ FIGURE_TEXT = {
     'no real difference: something else dominates here': '没有实质差别：这里由别的因素主导',
     'sum(list) handles one Python object per number: overhead-bound':
         'sum(list) 每个数都要处理一个 Python 对象：受开销限制',
-    'first call over the median of the next 20': '第一次调用与随后 20 次的中位数之比',
+    'first call over the median of the next 20': '第一次调用与随后 20 次调用的耗时中位数之比',
     'no visible one-off cost: it was paid earlier in this process':
         '看不出一次性代价：它已在本进程早些时候付过了',
     'the first call paid a one-off cost: warm up before timing': '第一次调用付出了一次性代价：计时之前要先预热',
@@ -149,12 +149,12 @@ FIGURE_TEXT = {
     'most of the time goes to work around the products: element-wise operators and overhead':
         '大部分时间花在矩阵乘法之外的工作上：逐元素算子和开销',
     'the matrix products take most of the time: arithmetic sets the pace': '矩阵乘法占了大部分时间：由算术决定节奏',
-    'the products and the work around them take comparable time: both matter': '矩阵乘法与其周围的工作耗时相当：两者都重要',
+    'the products and the work around them take comparable time: both matter': '矩阵乘法与其余工作耗时相当：两者都不可忽视',
     'No GPU here: CUDA events are timestamps that a GPU records.': '这里没有 GPU：CUDA 事件是由 GPU 记录的时间戳。',
     'No GPU here: CPU operators never wait for a device, so there is nothing to catch.':
-        '这里没有 GPU：CPU 算子从不等待设备，所以没有什么可捕捉的。',
+        '这里没有 GPU：CPU 算子从不等待设备，也就没有隐藏的同步可找。',
     'No GPU here: CPU operators check their inputs before they return, so errors are raised where they happen.':
-        '这里没有 GPU：CPU 算子在返回之前就检查输入，所以错误就在出错的地方抛出。',
+        '这里没有 GPU：CPU 算子在返回之前就会检查输入，所以错误会在出错的那一行当场抛出。',
     'time until returned over time until finished': '返回所需时间与完成所需时间之比',
     'the loop returned long before the work was done: asynchronous':
         '循环在工作完成之前很久就返回了：异步执行',
@@ -180,44 +180,42 @@ FIGURE_TEXT = {
     'memory pinned by the queue': '队列占住的内存',
     # timeline lanes (02, 03)
     'front end': '前端', 'back end': '后端', 'front end waits': '前端等待',
-    'sequential': '依次执行', 'parallel: thread 1': '并行：线程 1', 'parallel: thread 2': '并行：线程 2',
+    'one after the other': '依次执行', 'thread {i}': '线程 {i}',
     'bus 1': '总线 1', 'bus 2': '总线 2',
     'read the result every k steps (0: never)': '每 k 步读取一次结果（0：从不）',
     # 03
     'One GPU: two CUDA streams stand in for two devices.': '只有一块 GPU：用两个 CUDA 流代替两个设备。',
-    'Large products each fill the GPU, so the streams mostly take turns.':
-        '大型矩阵乘法各自都能占满 GPU，所以两个流大多是轮流执行。',
+    'two devices: sum of the times alone over both together': '两个设备各自单独运行的时间之和与同时运行的时间之比',
+    'the devices mostly took turns': '两个设备大多是轮流工作',
+    'the two devices computed at the same time': '两个设备同时在计算',
+    'two streams: twice the time of one over both together': '一个流耗时的两倍与两个流同时运行的耗时之比',
+    'the streams mostly took turns: each product fills the GPU': '两个流大多是轮流执行：每次乘法都能占满 GPU',
+    'the streams overlapped: the products left part of the GPU idle': '两个流重叠执行了：乘法没有占满 GPU',
     'No GPU here: there is no second device to run on. Part 3 measures the CPU equivalent '
-    '(two independent workloads in two threads).':
-        '这里没有 GPU：没有第二个设备可以运行。本节第 3 部分测量 CPU 上的对应实验（两个线程中的两项独立工作）。',
+    '(independent products in threads of ours).':
+        '这里没有 GPU：也就没有第二个设备可用。本节第 3 部分测量 CPU 上的对应实验（在我们自己的线程中运行的独立乘法）。',
     'No GPU here: there is no device-to-host copy to overlap. The CPU equivalent in part 3 '
     'overlaps matrix products with large memory copies in two threads.':
         '这里没有 GPU：没有从设备到主机的复制可以重叠。本节第 3 部分的 CPU 对应实验在两个线程中让矩阵乘法与大块内存复制重叠。',
-    'one stream over a copy stream': '单个流与使用复制流的耗时之比',
+    'one stream over a copy stream': '只用一个流与另设复制流的耗时之比',
     'no gain from the copy stream here': '复制流在这里没有带来收益',
     'only the copy stream overlaps: one stream runs copies and products in turn':
-        '只有复制流能重叠：单个流让复制与乘法轮流执行',
-    'front-end time, pageable over pinned': '前端耗时：可分页内存与锁页内存之比',
-    'no clear difference: the GPU had little queued work': '没有明显差别：GPU 上排队的工作很少',
+        '只有用了复制流才能重叠：在单个流中，复制与乘法只能轮流执行',
+    'front-end time, pageable over pinned': '从可分页内存与从锁页内存复制时的前端耗时之比',
+    'no clear difference here': '这里没有明显差别',
     'from pinned memory the front end returns at once and can go on': '从锁页内存复制时，前端立即返回，可以继续工作',
-    'No GPU here: there is no host-to-device copy to issue.': '这里没有 GPU：没有从主机到设备的复制可以发出。',
-    'GPU, small products: one batched call over the loop': 'GPU 上的小矩阵乘法：一次批量调用相对循环的加速比',
+    'No GPU here: there is no host-to-device copy to issue.': '这里没有 GPU：也就无从发出从主机到设备的复制。',
+    'GPU, small products: one batched call over the loop': 'GPU 上做小矩阵乘法时，一次批量调用相对循环的加速比',
     'batching changes little here': '批量化在这里作用不大',
     'batching wins: one launch instead of thousands': '批量化胜出：一次启动代替了几千次',
-    'GPU, small products: graph replay over the loop': 'GPU 上的小矩阵乘法：重放图相对循环的加速比',
-    'the graph changes little here': '图在这里作用不大',
-    'the graph wins: the launches are recorded once and replayed together': '图胜出：启动只录制一次，之后一起重放',
+    'GPU, small products: graph replay over the loop': 'GPU 上做小矩阵乘法时，重放 CUDA Graph 相对循环的加速比',
+    'the graph changes little here': 'CUDA Graph 在这里作用不大',
+    'the graph wins: the launches are recorded once and replayed together': 'CUDA Graph 胜出：所有启动只录制一次，之后整体重放',
     'No GPU here: the GPU version of this experiment needs a GPU.': '这里没有 GPU：这个实验的 GPU 版本需要 GPU 才能运行。',
-    'two threads against intra-op threads': '两个线程与算子内线程的加速比',
+    'our threads against intra-op threads': '我们的线程与算子内线程的加速比',
     'intra-op parallelism wins here': '这里算子内并行更快',
     'about the same: both use the cores': '大致相同：二者都用上了这些核心',
-    'two threads win here': '这里两个线程更快',
-    '8 threads against all cores per product': '8 个线程与每次乘法用满所有核心的加速比',
-    'letting each product use all cores is faster than our 8 threads':
-        '让每次乘法用满所有核心，比我们的 8 个线程更快',
-    'no difference: the number of cores is the limit, not the number of operators':
-        '没有差别：上限是核心数，而不是算子数',
-    'our 8 threads beat all-cores-per-product here': '这里我们的 8 个线程比每次乘法用满所有核心更快',
+    'our threads win here': '这里我们的线程更快',
     'small products: intra-op threads over one core': '小矩阵乘法下，算子内线程相对单核的加速比',
     'intra-op threads make small operators slower': '算子内线程让小算子变慢',
     'intra-op threads change nothing for small operators': '算子内线程对小算子没有影响',
@@ -231,8 +229,8 @@ FIGURE_TEXT = {
     'batching changes little: the per-call cost is a small share here':
         '批量化作用不大：这里每次调用的成本占比很小',
     'batching wins: it removes the per-call cost': '批量化胜出：它消除了每次调用的成本',
-    'two independent workloads: one after the other, then in two threads':
-        '两个相互独立的工作负载：先依次执行，再在两个线程中执行',
+    'eight independent products: one after the other, then in our threads':
+        '八个相互独立的矩阵乘法：先依次执行，再放到我们的线程中执行',
     'dependency depth': '依赖深度',
     'one data-parallel training step: what depends on what': '一个数据并行训练步骤：谁依赖谁',
     'time (illustrative units)': '时间（示意单位）',

@@ -87,3 +87,72 @@ def test_synchronize_waits_for_queued_work():
         m = m @ m / 4096
     common.synchronize()
     assert torch.cuda.current_stream().query()
+
+
+# ---- what notebooks 02 and 03 teach about GPUs, checked where a GPU exists
+
+def _late_error_script():
+    """The five-line script of notebook 02's late-error cell, read from its source."""
+    import re
+    from pathlib import Path
+    source = (Path(__file__).resolve().parent.parent / 'notebooks' / 'src' /
+              '02-asynchronous-computation.txt').read_text(encoding='utf-8')
+    return re.search(r'late_error = """(.*?)"""', source, re.S).group(1)
+
+
+def test_launch_blocking_raises_the_device_error_at_its_own_line():
+    import os
+    import re
+    import subprocess
+    import sys
+    script = _late_error_script()
+    child = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, CUDA_LAUNCH_BLOCKING='1'))
+    lines = [int(n) for n in re.findall(r'File "<string>", line (\d+)', child.stderr)]
+    assert child.returncode != 0 and lines, child.stderr[-2000:]
+    assert 'torch.tensor([5]' in script.splitlines()[lines[-1] - 1]
+
+
+def test_sync_debug_mode_flags_what_notebook_02_says():
+    import warnings
+    v = torch.randn(10_000, device='cuda')
+
+    def synchronises(line):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            line()
+        return any('synchronizing' in str(w.message) for w in caught)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='Synchronization debug mode is a prototype')
+        torch.cuda.set_sync_debug_mode('warn')
+    try:
+        assert not synchronises(lambda: v.sum())
+        assert synchronises(lambda: v.nonzero())
+        assert synchronises(lambda: float(v.max()))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_a_pinned_copy_returns_before_queued_work_and_a_pageable_one_does_not():
+    import time
+    busy = torch.randn(4096, 4096, device='cuda')
+    pageable = torch.rand(16 * 2**20)
+    pinned = pageable.pin_memory()
+
+    def issue(batch):
+        torch.cuda.synchronize()
+        for _ in range(20):
+            busy @ busy
+        start = time.perf_counter()
+        batch.to('cuda', non_blocking=True)
+        seconds = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return seconds
+
+    issue(pageable), issue(pinned)
+    t_pageable = sorted(issue(pageable) for _ in range(5))[2]
+    t_pinned = sorted(issue(pinned) for _ in range(5))[2]
+    print(f'issuing a 64 MB copy behind queued work: pageable {t_pageable * 1e3:.2f} ms, '
+          f'pinned {t_pinned * 1e3:.3f} ms')
+    assert t_pinned < t_pageable / 2
