@@ -237,6 +237,12 @@ FIGURE_TEXT = {
     'list schedule: {m} units, versus {w} units one task at a time':
         '列表调度：{m} 个单位，逐个执行则需 {w} 个单位',
     # 04
+    'matrix product, share of the estimated peak': '矩阵乘法达到估计峰值的比例',
+    'far below the estimate: the estimate is likely too high for this chip, or other work shares the cores':
+        '远低于估计值：这个估计对这块芯片多半偏高，或者有其他工作在占用核心',
+    'below the estimate, as a well-tuned library should be': '低于估计值，调优良好的库本应如此',
+    'above the estimate: the clock runs faster than the value used, so the estimate is too low':
+        '高于估计值：实际主频比计算所用的值更高，所以估计偏低',
     'measured read throughput (1 thread)': '实测读取吞吐量（1 个线程）',
     'working set (bytes)': '工作集大小（字节）',
     'reading the same block again and again': '反复读取同一块数据',
@@ -254,6 +260,15 @@ FIGURE_TEXT = {
     'layer {i}': '第 {i} 层', 'data shard {h}': '数据分片 {h}',
     'epoch': '轮数', 'test accuracy': '测试准确率',
     # 07
+    'ring over model, worst payload': '环与模型的耗时之比（最差的数据量）',
+    'the model follows the ring at every payload': '在每种数据量下，模型都与环的实测相符',
+    'some payloads took several times the model: a ring step waited for the other process':
+        '某些数据量的耗时是模型的好几倍：环的某一步在等待另一个进程',
+    'ring over model, largest payload': '环与模型的耗时之比（最大的数据量）',
+    'the ring beat the model at the largest payload': '在最大的数据量下，环比模型更快',
+    'the model predicts the largest transfer well': '模型很好地预测了最大的那次传输',
+    'the ring took longer than the model: costs the model leaves out grow with the size':
+        '环比模型更慢：模型没有计入的开销随数据量增长',
     'number of devices': '设备数', 'sync time (ms)': '同步时间（ms）',
     '{s:.0f} MB of gradients over {b:.0f} GB/s links': '{s:.0f} MB 梯度，{b:.0f} GB/s 链路',
     'two rings over the NVLinks of 8 GPUs\n(green: 2 links per hop, purple: 1)':
