@@ -172,11 +172,11 @@ FIGURE_TEXT = {
     'The simulated back end above shows what running ahead holds.':
         '这里没有 GPU：PyTorch 在 CPU 上同步执行算子，没有任何东西在队列中等待。'
         '上面的模拟后端展示了前端跑在前面时会占住哪些内存。',
-    'wait for every result: n(t1 + t2 + t3)': '每个结果都等待：n(t1 + t2 + t3)',
+    'wait for every result: n(t1 + t2 + t3)': '逐个等待结果：n(t1 + t2 + t3)',
     'submit without waiting: about n·max(t1, t2)': '提交后不等待：约 n·max(t1, t2)',
     'never wait': '从不等待', 'sync once per minibatch': '每个小批量同步一次',
     'time (ms)': '时间（ms）', 'time ({unit})': '时间（{unit}）',
-    'MB held by queued work': '排队的工作占用的内存（MB）',
+    'MB held by queued work': '排队任务占用的内存（MB）',
     'memory pinned by the queue': '队列占住的内存',
     # timeline lanes (02, 03)
     'front end': '前端', 'back end': '后端', 'front end waits': '前端等待',
@@ -247,7 +247,7 @@ FIGURE_TEXT = {
     'working set (bytes)': '工作集大小（字节）',
     'reading the same block again and again': '反复读取同一块数据',
     ' one element per 64-byte line': ' 每个 64 字节缓存行只读一个元素',
-    'stride (elements)': '步幅（元素个数）', 'ns per element read': '每读取一个元素的耗时（ns）',
+    'stride (elements)': '步长（元素个数）', 'ns per element read': '每读取一个元素的耗时（ns）',
     'reading every k-th float32': '每隔 k 个读取一个 float32',
     'busy cells of a 4×4 array multiplying two 4×4 matrices': '4×4 阵列计算两个 4×4 矩阵乘积时的忙碌单元',
     'cycle {t}': '周期 {t}', 'matrix side n': '矩阵边长 n', 'utilisation (%)': '利用率（%）',
@@ -260,6 +260,7 @@ FIGURE_TEXT = {
     'layer {i}': '第 {i} 层', 'data shard {h}': '数据分片 {h}',
     'epoch': '轮数', 'test accuracy': '测试准确率',
     # 07
+    'via GPU 0': '经由 GPU 0', 'via the CPU': '经由 CPU', 'split over all': '分块聚合', 'ring': '环同步',
     'ring over model, worst payload': '环与模型的耗时之比（最差的数据量）',
     'the model follows the ring at every payload': '在每种数据量下，模型都与环的实测相符',
     'some payloads took several times the model: a ring step waited for the other process':
@@ -279,7 +280,7 @@ FIGURE_TEXT = {
     'alpha-beta model of the ring': '环的 α–β 模型',
     'one message (ping-pong)': '单条消息（乒乓）',
     'payload (bytes)': '数据量（字节）', 'all-reduce over 2 CPU processes': '2 个 CPU 进程上的 all-reduce',
-    'every GPU to 1 server': '每块 GPU 直连 1 个服务器', 'every GPU to m servers': '每块 GPU 直连 m 个服务器',
+    'every GPU to 1 server': '每块 GPU 各自发往 1 个服务器', 'every GPU to m servers': '每块 GPU 各自发往 m 个服务器',
     'hierarchical, m servers': '分层同步，m 个服务器', 'machines m (8 GPUs each)': '机器数 m（每台 8 块 GPU）',
     '{s:.0f} MB, NVLink inside machines, {b:.0f} GB/s network':
         '{s:.0f} MB，机器内 NVLink，网络 {b:.0f} GB/s',
@@ -1022,7 +1023,7 @@ def text(message):
 
     English is looked up in FIGURE_TEXT, so code cells stay the same, and free
     of Chinese, in both languages; an (English, Chinese) pair works too.
-    Used in: 02, and by verdict().
+    Used in: 01, 02, 03, and by verdict() and sync_calculator().
     """
     if isinstance(message, (tuple, list)):
         return say(*message)
@@ -1641,6 +1642,8 @@ def resnet18(num_classes=10, width=64, in_channels=1):
 # below ps_process: you need not read it to follow the section).
 
 SYNC_STRATEGIES = ('gpu0', 'cpu', 'split', 'ring')
+# How figures and the calculator name them (Chinese in FIGURE_TEXT).
+SYNC_LABELS = {'gpu0': 'via GPU 0', 'cpu': 'via the CPU', 'split': 'split over all', 'ring': 'ring'}
 
 
 def sync_time(strategy, size_bytes, devices, bandwidth, links=1):
@@ -1842,8 +1845,7 @@ def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1):
     Used in: 07.
     """
     import ipywidgets as widgets
-    labels = {'gpu0': say('via GPU 0', '经由 GPU 0'), 'cpu': say('via the CPU', '经由 CPU'),
-              'split': say('split over all', '分块聚合'), 'ring': say('ring', '环同步')}
+    labels = {k: text(label) for k, label in SYNC_LABELS.items()}
     style = {'description_width': '11em'}
     size = widgets.FloatLogSlider(value=size_mb, base=10, min=0, max=4, step=0.05, style=style,
                                   description=say('gradients (MB)', '梯度大小（MB）'))
