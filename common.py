@@ -23,8 +23,9 @@ with the sections that use it ("Used in: ..."). The map:
   data                   00, 05-07    find_fashion_mnist, fashion_mnist_datasets,
                                       load_data_fashion_mnist, FASHION_LABELS, clear_cache
   training               05, 06  accuracy, evaluate_accuracy, Animator, sgd
-  data parallelism       05      lenet_params, lenet, get_params, allreduce, split_batch,
-                                 batch_indices, train_batch, replica_devices, dp_worker
+  data parallelism       05      lenet_params, lenet, batch_indices, replica_devices, dp_worker
+                                 (05 defines get_params, allreduce, split_batch and train_batch
+                                 on its page; dp_worker is its multi-process entry point)
   concise multi-GPU      06      resnet18
   parameter servers      07      sync_time, ps_time, hierarchical_time, sync_calculator,
                                  ring_allreduce, ring_check, comm_benchmark, fit_alpha_beta,
@@ -237,6 +238,15 @@ FIGURE_TEXT = {
     'list schedule: {m} units, versus {w} units one task at a time':
         '列表调度：{m} 个单位，逐个执行则需 {w} 个单位',
     # 04
+    'a + b': '向量加法 a + b', 'matrix × vector': '矩阵 × 向量',
+    "roofline from this notebook's measurements": '由本节测量得到的屋顶线', 'estimated peak': '估计的峰值',
+    'arithmetic intensity (FLOP per byte)': '算术强度（每字节的浮点运算次数）',
+    'the roofline of this machine': '这台机器的屋顶线',
+    'matrix × vector, share of its memory roof': '矩阵 × 向量达到其内存屋顶的比例',
+    'far below the memory roof: caches, threads or overhead limit it, not bandwidth alone':
+        '远低于内存屋顶：限制它的是缓存、线程或开销，而不只是带宽',
+    'on the scale of the memory roof: a matrix–vector product is memory-bound, as its intensity predicts':
+        '与内存屋顶在同一量级：正如算术强度所预言的，矩阵–向量乘法受内存带宽限制',
     'matrix product, share of the estimated peak': '矩阵乘法达到估计峰值的比例',
     'far below the estimate: the estimate is likely too high for this chip, or other work shares the cores':
         '远低于估计值：这个估计对这块芯片多半偏高，或者有其他工作在占用核心',
@@ -253,6 +263,13 @@ FIGURE_TEXT = {
     'cycle {t}': '周期 {t}', 'matrix side n': '矩阵边长 n', 'utilisation (%)': '利用率（%）',
     '{p}×{p} systolic array, n×n product': '{p}×{p} 脉动阵列，n×n 矩阵乘法',
     # 05
+    'activations / gradients': '激活值 / 梯度', 'partial results after every layer': '每层之后交换部分结果',
+    'all-reduce of the gradients': '梯度的 all-reduce',
+    'time per epoch, k replicas over one device': '每轮耗时：k 个副本与单个设备之比',
+    'the replicas were faster: they ran on separate devices': '副本更快：它们运行在不同的设备上',
+    'about the same: the replicas shared the same hardware': '大致相同：各副本共用同一套硬件',
+    'the replicas were slower: smaller shards and the allreduce cost more than they saved':
+        '副本更慢：更小的分片和 allreduce 的开销超过了节省的时间',
     'across layers\n(pipeline)': '按层拆分\n（流水线并行）',
     'within layers\n(tensor parallel)': '层内拆分\n（张量并行）',
     'across data\n(data parallel)': '按数据拆分\n（数据并行）',
@@ -1189,7 +1206,7 @@ def show_source(obj):
     """Show the source code of a function or class from common.py, highlighted in a notebook.
 
     For code a section teaches that must live in an importable file (a
-    worker process's entry point). Used in: 07.
+    worker process's entry point). Used in: 05, 07.
     """
     code = inspect.getsource(obj)
     try:
@@ -1491,35 +1508,10 @@ def lenet(X, params):
     return h @ params[6] + params[7]
 
 
-def get_params(params, device):
-    """Copies of `params` on `device` that record gradients (always copies, even on the same device).
-
-    Used in: 05.
-    """
-    return [p.detach().to(device, copy=True).requires_grad_() for p in params]
 
 
-def allreduce(data):
-    """Sum tensors that live on several devices; afterwards every one holds the sum.
-
-    The naive way: add everything into data[0] on its device, then copy it back out.
-    Used in: 05.
-    """
-    for i in range(1, len(data)):
-        data[0][:] += data[i].to(data[0].device)
-    for i in range(1, len(data)):
-        data[i][:] = data[0].to(data[i].device)
 
 
-def split_batch(X, y, devices):
-    """Split a minibatch over devices: shard sizes differ by at most one example. Used in: 05."""
-    if X.shape[0] != y.shape[0]:
-        raise ValueError(f'X has {X.shape[0]} examples but y has {y.shape[0]}: they must match.')
-    if X.shape[0] < len(devices):
-        raise ValueError(f'cannot split {X.shape[0]} examples over {len(devices)} devices: each '
-                         'needs at least one. Use a larger batch or fewer devices.')
-    return ([x.to(d) for x, d in zip(torch.tensor_split(X, len(devices)), devices)],
-            [t.to(d) for t, d in zip(torch.tensor_split(y, len(devices)), devices)])
 
 
 def batch_indices(order, step, batch_size, part=0, parts=1):
@@ -1535,19 +1527,6 @@ def batch_indices(order, step, batch_size, part=0, parts=1):
     return torch.tensor_split(batch, parts)[part]
 
 
-def train_batch(X, y, device_params, devices, lr):
-    """One data-parallel step: split the batch, backprop on each replica, allreduce, update.
-
-    Used in: 05.
-    """
-    X_shards, y_shards = split_batch(X, y, devices)
-    for X_shard, y_shard, params in zip(X_shards, y_shards, device_params):
-        torch.nn.functional.cross_entropy(lenet(X_shard, params), y_shard, reduction='sum').backward()
-    with torch.no_grad():
-        for i in range(len(device_params[0])):
-            allreduce([params[i].grad for params in device_params])
-    for params in device_params:
-        sgd(params, lr, X.shape[0])  # the whole minibatch's size: gradients are sums over all of it
 
 
 def replica_devices(k):
@@ -1575,7 +1554,7 @@ def dp_worker(rank, world_size, run):
     device = worker_device()
     X_all, y_all = fashion_mnist_datasets(subset=subset, download=False)[0].tensors
     order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(seed))
-    params = get_params(lenet_params(seed), device)
+    params = [p.to(device).requires_grad_() for p in lenet_params(seed)]   # this rank's replica
     precision = full_fp32() if run.get('full_fp32') else contextlib.nullcontext()
     dist.barrier()
     start = time.perf_counter()

@@ -15,7 +15,10 @@ import pytest
 import torch
 
 import common
+from notebook_code import definitions
 import workers
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TESTS = Path(__file__).resolve().parent
 
@@ -584,9 +587,13 @@ def test_no_orphans_when_launcher_is_interrupted_or_killed(tmp_path, how):
 
 # ---------------------------------------------------- data parallelism by hand
 
+# The functions are section 05's, defined on its page; the tests run that code.
+SECTION_05 = definitions('05-multi-gpu-from-scratch', 'get_params', 'allreduce', 'split_batch', 'train_batch')
+
+
 def test_get_params_copies_even_on_the_same_device():
     params = common.lenet_params(seed=1)
-    copy = common.get_params(params, 'cpu')
+    copy = SECTION_05['get_params'](params, 'cpu')
     with torch.no_grad():
         copy[0].add_(1.0)
     assert not torch.equal(copy[0], params[0]) and copy[0].requires_grad
@@ -594,33 +601,49 @@ def test_get_params_copies_even_on_the_same_device():
 
 def test_allreduce_leaves_the_sum_everywhere():
     data = [torch.full((2, 3), float(i + 1)) for i in range(3)]
-    common.allreduce(data)
+    SECTION_05['allreduce'](data)
     assert all(torch.equal(t, torch.full((2, 3), 6.0)) for t in data)
 
 
 def test_split_batch_uneven_and_bad_input():
+    split_batch = SECTION_05['split_batch']
     X, y = torch.arange(14).reshape(7, 2), torch.arange(7)
-    xs, ys = common.split_batch(X, y, ['cpu'] * 3)
+    xs, ys = split_batch(X, y, ['cpu'] * 3)
     assert [len(s) for s in xs] == [3, 2, 2] and torch.equal(torch.cat(ys), y)
     with pytest.raises(ValueError, match='X has 7 examples but y has 6'):
-        common.split_batch(X, y[:6], ['cpu'] * 2)
+        split_batch(X, y[:6], ['cpu'] * 2)
     with pytest.raises(ValueError, match='cannot split 2 examples over 3 devices'):
-        common.split_batch(X[:2], y[:2], ['cpu'] * 3)
+        split_batch(X[:2], y[:2], ['cpu'] * 3)
 
 
 @pytest.mark.parametrize('k', [2, 3])
 def test_data_parallel_step_equals_single_device_step(k):
+    get_params, train_batch = SECTION_05['get_params'], SECTION_05['train_batch']
     torch.manual_seed(0)
     X, y = torch.rand(10, 1, 28, 28), torch.randint(0, 10, (10,))
     params = common.lenet_params(seed=2)
-    replicas = [common.get_params(params, 'cpu') for _ in range(k)]
-    single = [common.get_params(params, 'cpu')]
-    common.train_batch(X, y, replicas, ['cpu'] * k, lr=0.5)
-    common.train_batch(X, y, single, ['cpu'], lr=0.5)
+    replicas = [get_params(params, 'cpu') for _ in range(k)]
+    single = [get_params(params, 'cpu')]
+    train_batch(X, y, replicas, ['cpu'] * k, lr=0.5)
+    train_batch(X, y, single, ['cpu'], lr=0.5)
     for i, reference in enumerate(single[0]):
         assert not torch.equal(reference, params[i])  # the step changed every parameter
         assert all(torch.equal(r[i], replicas[0][i]) for r in replicas)
     assert common.step_difference(params, replicas[0], single[0]) < common.step_tolerance()
+
+
+def test_a_broken_train_batch_fails_the_equivalence_check():
+    """The equivalence check can fail: a step that forgets the allreduce differs from one device."""
+    source = definitions('05-multi-gpu-from-scratch', 'get_params', 'split_batch', 'train_batch')
+    source['allreduce'] = lambda data: None   # replicas keep their own shard's gradient
+    torch.manual_seed(0)
+    X, y = torch.rand(10, 1, 28, 28), torch.randint(0, 10, (10,))
+    params = common.lenet_params(seed=2)
+    replicas = [source['get_params'](params, 'cpu') for _ in range(2)]
+    single = [source['get_params'](params, 'cpu')]
+    source['train_batch'](X, y, replicas, ['cpu'] * 2, lr=0.5)
+    source['train_batch'](X, y, single, ['cpu'], lr=0.5)
+    assert common.step_difference(params, replicas[0], single[0]) > common.step_tolerance()
 
 
 def test_replica_devices_falls_back_and_refuses_nonsense(monkeypatch, fake_gpus):
@@ -647,6 +670,39 @@ def test_dp_worker_ranks_agree_and_match_one_process(fashion_mnist):
     assert two[0]['checksum'] == two[1]['checksum'] and two[1]['params'] is None
     assert common.step_difference(common.lenet_params(0), two[0]['params'], one[0]['params']) \
         < common.step_tolerance()
+
+
+def test_the_worker_recipe_of_05s_exercise_runs_and_matches_dp_worker(fashion_mnist, tmp_path, monkeypatch):
+    """Solution 2 of 05: %%writefile my_worker.py, import it, launch it. It must work as written."""
+    import importlib
+    (tmp_path / 'my_worker.py').write_text(_writefile_block('05-multi-gpu-from-scratch', 'my_worker.py'))
+    monkeypatch.syspath_prepend(str(tmp_path))   # the spawned processes inherit sys.path
+    my_worker = importlib.import_module('my_worker')
+    run = dict(batch_size=64, lr=0.2, steps=2, subset=256)
+    flat = common.launch(my_worker.flat_dp_worker, 2, run)
+    per_tensor = common.launch(common.dp_worker, 2, run)
+    assert flat[0]['checksum'] == flat[1]['checksum']
+    assert abs(flat[0]['checksum'] - per_tensor[0]['checksum']) < 1e-4 * abs(per_tensor[0]['checksum'])
+
+
+def _writefile_block(notebook, filename):
+    """The one ```python block of a notebook's markdown that starts with %%writefile filename."""
+    import nbformat
+    stored = nbformat.read(ROOT / 'notebooks' / 'en' / f'{notebook}.ipynb', as_version=4)
+    blocks = [b for c in stored.cells if c.cell_type == 'markdown'
+              for b in re.findall(r'```python\n(.*?)```', c.source, re.S)
+              if b.startswith(f'%%writefile {filename}')]
+    assert len(blocks) == 1, f'{notebook} shows one %%writefile {filename} block'
+    return blocks[0].split('\n', 1)[1]
+
+
+def test_the_worker_recipe_of_07s_exercise_runs(tmp_path, monkeypatch):
+    """Solution 1 of 07: the ring in a file written with %%writefile, imported, launched."""
+    import importlib
+    (tmp_path / 'my_ring.py').write_text(_writefile_block('07-parameter-servers', 'my_ring.py'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    my_ring = importlib.import_module('my_ring')
+    assert max(common.launch(my_ring.check, 3, 100_003)) < 1e-4
 
 
 # -------------------------------------------------------------- section 06

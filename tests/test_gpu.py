@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+from notebook_code import definitions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
@@ -62,11 +63,13 @@ def test_data_parallel_step_equals_single_device_step_on_the_gpu():
     X, y = torch.rand(256, 1, 28, 28), torch.randint(0, 10, (256,))
     params = common.lenet_params(seed=2)
     devices = common.replica_devices(2)
+    section = definitions('05-multi-gpu-from-scratch', 'get_params', 'allreduce', 'split_batch', 'train_batch')
+    get_params, train_batch = section['get_params'], section['train_batch']
     with common.full_fp32():
-        replicas = [common.get_params(params, d) for d in devices]
-        common.train_batch(X, y, replicas, devices, lr=0.2)
-        single = [common.get_params(params, devices[0])]
-        common.train_batch(X, y, single, devices[:1], lr=0.2)
+        replicas = [get_params(params, d) for d in devices]
+        train_batch(X, y, replicas, devices, lr=0.2)
+        single = [get_params(params, devices[0])]
+        train_batch(X, y, single, devices[:1], lr=0.2)
     difference = common.step_difference(params, replicas[0], single[0])
     print(f'2 replicas against 1 device, on the GPU: {difference:.1e} of the step')
     assert difference < common.step_tolerance(torch.float32, devices[0])

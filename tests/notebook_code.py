@@ -1,0 +1,37 @@
+"""The code a section defines on its page, for tests: functions read from the notebook's source.
+
+A section's teaching code lives in its notebook, where the student reads it, not in
+common.py. Tests exercise exactly that code: `definitions('05-multi-gpu-from-scratch',
+'split_batch')` finds the top-level `def` (or `class`) statements of those names in the
+section's code cells and executes only them, in a namespace that has torch and common.
+"""
+import ast
+import sys
+from pathlib import Path
+
+import torch
+
+import common
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / 'tools'))
+import nbpair  # noqa: E402
+
+
+def definitions(section, *names):
+    """A namespace holding the named top-level functions or classes of a section's code cells."""
+    source = next((ROOT / 'notebooks' / 'src').glob(f'{section}*.txt'))
+    wanted, found = set(names), {}
+    for cell in nbpair.parse(source):
+        if cell['type'] != 'code' or cell['en'].lstrip().startswith('%'):
+            continue
+        for node in ast.parse(cell['en']).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
+                found[node.name] = node
+    missing = wanted - set(found)
+    if missing:
+        raise LookupError(f'{source.name} defines no {sorted(missing)} in its code cells')
+    namespace = {'torch': torch, 'common': common}
+    module = ast.Module(body=[found[name] for name in names], type_ignores=[])
+    exec(compile(module, f'<{source.name}>', 'exec'), namespace)
+    return namespace
