@@ -43,6 +43,7 @@ import platform
 import queue
 import re
 import shutil
+import shlex
 import signal
 import socket
 import subprocess
@@ -246,7 +247,7 @@ FIGURE_TEXT = {
     'far below the memory roof: caches, threads or overhead limit it, not bandwidth alone':
         '远低于内存屋顶：限制它的是缓存、线程或开销，而不只是带宽',
     'on the scale of the memory roof: a matrix–vector product is memory-bound, as its intensity predicts':
-        '与内存屋顶在同一量级：正如算术强度所预言的，矩阵–向量乘法受内存带宽限制',
+        '与内存屋顶处于同一量级：正如其算术强度所预示的，矩阵–向量乘法受内存带宽限制',
     'matrix product, share of the estimated peak': '矩阵乘法达到估计峰值的比例',
     'far below the estimate: the estimate is likely too high for this chip, or other work shares the cores':
         '远低于估计值：这个估计对这块芯片多半偏高，或者有其他工作在占用核心',
@@ -265,28 +266,36 @@ FIGURE_TEXT = {
     # 05
     'activations / gradients': '激活值 / 梯度', 'partial results after every layer': '每层之后交换部分结果',
     'all-reduce of the gradients': '梯度的 all-reduce',
-    'time per epoch, k replicas over one device': '每轮耗时：k 个副本与单个设备之比',
-    'the replicas were faster: they ran on separate devices': '副本更快：它们运行在不同的设备上',
+    'time per epoch, k replicas over one device': 'k 个副本与单个设备的每轮耗时之比',
+    'the replicas were faster: they ran on separate devices': '多副本更快：各副本运行在不同的设备上',
     'about the same: the replicas shared the same hardware': '大致相同：各副本共用同一套硬件',
     'the replicas were slower: smaller shards and the allreduce cost more than they saved':
-        '副本更慢：更小的分片和 allreduce 的开销超过了节省的时间',
+        '多副本更慢：更小的分片和 allreduce 的开销超过了节省的时间',
     'across layers\n(pipeline)': '按层拆分\n（流水线并行）',
     'within layers\n(tensor parallel)': '层内拆分\n（张量并行）',
     'across data\n(data parallel)': '按数据拆分\n（数据并行）',
     'layer {i}: GPU {g}': '第 {i} 层：GPU {g}', 'L{i}, half {h}': '第 {i} 层，第 {h} 部分',
     'layer {i}': '第 {i} 层', 'data shard {h}': '数据分片 {h}',
     'epoch': '轮数', 'test accuracy': '测试准确率',
+    # 06
+    '1 process': '1 个进程', '2 processes': '2 个进程', 'perfect scaling': '理想的线性扩展',
+    'images/s': '每秒图像数', 'DDP throughput on this machine': '这台机器上的 DDP 吞吐量',
     # 07
+    '4 KiB over 1024 devices, tree over ring': '1024 个设备上的 4 KiB：树与环的耗时之比',
+    'the tree wins for small messages on many devices: fewer steps, each paying alpha':
+        '设备很多、消息很小时树胜出：步数更少，而每一步都要付出 alpha',
+    "the ring still wins here: this link's alpha is small beside its beta":
+        '这里环仍然胜出：这条链路的 alpha 比起 beta 来很小',
     'via GPU 0': '经由 GPU 0', 'via the CPU': '经由 CPU', 'split over all': '分块聚合', 'ring': '环同步',
-    'ring over model, worst payload': '环与模型的耗时之比（最差的数据量）',
+    'ring over model, worst payload': '环的实测耗时与模型预测之比（偏差最大的数据量）',
     'the model follows the ring at every payload': '在每种数据量下，模型都与环的实测相符',
     'some payloads took several times the model: a ring step waited for the other process':
         '某些数据量的耗时是模型的好几倍：环的某一步在等待另一个进程',
-    'ring over model, largest payload': '环与模型的耗时之比（最大的数据量）',
-    'the ring beat the model at the largest payload': '在最大的数据量下，环比模型更快',
+    'ring over model, largest payload': '环的实测耗时与模型预测之比（最大数据量）',
+    'the ring beat the model at the largest payload': '在最大数据量下，环的实测耗时比模型预测的短',
     'the model predicts the largest transfer well': '模型很好地预测了最大的那次传输',
     'the ring took longer than the model: costs the model leaves out grow with the size':
-        '环比模型更慢：模型没有计入的开销随数据量增长',
+        '环的实测耗时超过模型预测：模型没有计入的开销随数据量增长',
     'number of devices': '设备数', 'sync time (ms)': '同步时间（ms）',
     '{s:.0f} MB of gradients over {b:.0f} GB/s links': '{s:.0f} MB 梯度，{b:.0f} GB/s 链路',
     'two rings over the NVLinks of 8 GPUs\n(green: 2 links per hop, purple: 1)':
@@ -727,14 +736,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300):
+def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300, show=False):
     """Run `script` with torchrun as `nnodes` launchers on this host; return each launcher's output.
 
     One node uses --standalone (torchrun picks a free port). Several nodes meet through c10d
     rendezvous on 127.0.0.1, as separate machines would. A failing script raises RuntimeError
     with the end of its output; past `timeout` seconds everything is killed and TimeoutError
     raised. No launcher or worker outlives the call: all launchers are watched
-    at once, so a node that fails early is reported at once. Used in: 06.
+    at once, so a node that fails early is reported at once. show=True prints each
+    node's command line first, as you would type it on that machine. Used in: 06.
     """
     base = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nproc_per_node}']
     if nnodes == 1:
@@ -743,6 +753,9 @@ def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300):
         rendezvous = [f'--nnodes={nnodes}', '--rdzv-backend=c10d', f'--rdzv-id={uuid.uuid4().hex[:8]}',
                       f'--rdzv-endpoint=127.0.0.1:{free_port()}']
         commands = [base + rendezvous + [str(script), *map(str, args)]] * nnodes
+    if show:
+        for node, command in enumerate(commands):
+            print(f'node {node}: ' + shlex.join(['torchrun'] + command[3:]))
     logs = [tempfile.TemporaryFile(mode='w+') for _ in commands]
     procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                               start_new_session=hasattr(os, 'killpg')) for cmd, log in zip(commands, logs)]
