@@ -33,6 +33,7 @@ with the sections that use it ("Used in: ..."). The map:
 """
 import ast
 import contextlib
+import copy
 import datetime
 import gzip
 import inspect
@@ -46,6 +47,7 @@ import shutil
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,6 +63,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 ROOT = Path(__file__).resolve().parent
 if not torch.cuda.is_available():
@@ -263,6 +266,81 @@ FIGURE_TEXT = {
     'busy cells of a 4×4 array multiplying two 4×4 matrices': '4×4 阵列计算两个 4×4 矩阵乘积时的忙碌单元',
     'cycle {t}': '周期 {t}', 'matrix side n': '矩阵边长 n', 'utilisation (%)': '利用率（%）',
     '{p}×{p} systolic array, n×n product': '{p}×{p} 脉动阵列，n×n 矩阵乘法',
+    'CPU: {model}, {cores} physical cores ({threads} hardware threads), clock {clock} GHz ({source})':
+        'CPU：{model}，{cores} 个物理核心（{threads} 个硬件线程），主频 {clock} GHz（{source}）',
+    'vector units: {bits}-bit, fused multiply-add: {fma}': '向量单元：{bits} 位，乘加融合：{fma}',
+    'data caches:': '数据缓存：',
+    'copy of {mib:.0f} MiB: {all:.1f} GB/s with {threads} threads, {one:.1f} GB/s with one':
+        '复制 {mib:.0f} MiB：{threads} 个线程 {all:.1f} GB/s，单线程 {one:.1f} GB/s',
+    'ns per element, by stride:': '按步长，每个元素的耗时（ns）：',
+    'stride 16 costs {r:.0f}× more per element than stride 1': '步长 16 时每个元素的耗时是步长 1 时的 {r:.0f} 倍',
+    'NumPy flags: aligned {a} | byte-offset view {b}': 'NumPy 标志位：对齐的数组 {a} | 字节偏移的视图 {b}',
+    'NumPy sum: aligned {a:.2f} ms, misaligned by 1 byte {b:.2f} ms ({r:.1f}×)':
+        'NumPy 求和：对齐 {a:.2f} ms，错开 1 字节 {b:.2f} ms（{r:.1f}×）',
+    'PyTorch sum: aligned {a:.2f} ms, one element later {b:.2f} ms ({r:.2f}×)':
+        'PyTorch 求和：对齐 {a:.2f} ms，晚一个元素开始 {b:.2f} ms（{r:.2f}×）',
+    'peak = {cores} cores × {clock:.2f} GHz × {lanes} lanes × 2 (FMA) × {units} FMA units = {peak:.0f} GFLOP/s (an estimate)':
+        '峰值 = {cores} 个核心 × {clock:.2f} GHz × {lanes} 个通道 × 2（FMA）× {units} 个 FMA 单元 = {peak:.0f} GFLOP/s（估计值）',
+    'matmul {n}×{n}: {rate:.0f} GFLOP/s = {share:.0%} of that peak': '矩阵乘法 {n}×{n}：{rate:.0f} GFLOP/s = 该峰值的 {share:.0%}',
+    'matmul {n}×{n}: {rate:.0f} GFLOP/s (clock or vector width unknown: no peak estimate)':
+        '矩阵乘法 {n}×{n}：{rate:.0f} GFLOP/s（主频或向量宽度未知：无法估计峰值）',
+    'roofs: memory {m:.1f} GB/s, compute {c:.0f} GFLOP/s; ridge at {r:.1f} FLOP/byte':
+        '屋顶：内存 {m:.1f} GB/s，计算 {c:.0f} GFLOP/s；脊点在 {r:.1f} FLOP/字节',
+    'memory-bound': '受内存带宽限制',
+    '  {name:<16} {i:8.2f} FLOP/byte {g:8.1f} GFLOP/s = {s:4.0%} of its roof ({bound})':
+        '  {name:<16} {i:8.2f} FLOP/字节 {g:8.1f} GFLOP/s = 其屋顶的 {s:4.0%}（{bound}）',
+    '{n}×{k} times {k}×{m} on a 4×4 array: matches torch.mm, {c} cycles, utilisation {u:.0%}':
+        '在 4×4 阵列上计算 {n}×{k} 乘以 {k}×{m}：与 torch.mm 一致，{c} 个周期，利用率 {u:.0%}',
+    'utilisation': '利用率',
+    'knees found (first size that is clearly slower):': '找到的拐点（明显变慢的第一个大小）：',
+    'caches the OS reports:': '操作系统报告的缓存：',
+    '  {level}: {inside:5.1f} GB/s at {small} (fits) -> {outside:5.1f} GB/s at {large} (does not): {change:+.0%}':
+        '  {level}：{small} 时 {inside:5.1f} GB/s（放得下）-> {large} 时 {outside:5.1f} GB/s（放不下）：{change:+.0%}',
+    'dependent loads (pointer chasing, C)': '相互依赖的加载（指针追踪，C 程序）', 'ns per load': '每次加载的耗时（ns）',
+    'the latency of one load, by working-set size': '单次加载的延迟与工作集大小',
+    'cycles': '个周期',
+    'while one dependent load waits for memory, a sequential read streams {b:,.0f} bytes':
+        '一次依赖加载等待内存的时间里，顺序读取能传输 {b:,.0f} 字节',
+    'memory latency / L1 latency': '内存延迟 / L1 延迟',
+    'hardly a ladder: the largest block may still fit in a cache (raise sweep_max_mb)':
+        '几乎看不出阶梯：最大的数据块可能仍然放得进缓存（请调大 sweep_max_mb）',
+    'a ladder: every level is slower than the one before, memory by far the slowest':
+        '阶梯分明：每一级都比上一级慢，内存远比其他各级都慢',
+    'One core only: the two threads take turns, no cache line moves between cores, and there is nothing to measure here.':
+        '只有一个核心：两个线程轮流执行，缓存行不会在核心之间移动，这里没有什么可测的。',
+    'two threads, 10^8 increments each: counters in one line {a:.3f} s, two lines apart {b:.3f} s':
+        '两个线程，各递增 10^8 次：计数器在同一缓存行 {a:.3f} s，相距两行（128 字节）{b:.3f} s',
+    'one shared line / separate lines': '共享一个缓存行 / 位于不同缓存行',
+    'no clear penalty: the two threads probably shared one core, taking turns':
+        '没有明显的性能损失：两个线程多半共用了一个核心，轮流执行',
+    'false sharing: the line moves between the cores on every increment':
+        '伪共享：每递增一次，这个缓存行就要在两个核心之间移动一次',
+    'a 256 → 64 layer in {p} NFU passes: largest error of the output {e:.4f}; the 16-bit inputs alone move the sums by at most {a:.4f}':
+        '一层 256 → 64 的网络用了 {p} 趟 NFU：输出的最大误差 {e:.4f}；仅 16 位定点输入带来的求和偏差最多 {a:.4f}',
+    'measured | datasheet | share': '实测 | 数据手册 | 占比',
+    'not in common.GPU_DATASHEETS: compare with its datasheet by hand': '不在 common.GPU_DATASHEETS 中：请自行与它的数据手册对比',
+    'matmul FP32 (CUDA cores)': '矩阵乘法 FP32（CUDA 核心）', 'matmul TF32 (tensor cores)': '矩阵乘法 TF32（张量核心）',
+    'matmul BF16 (tensor cores)': '矩阵乘法 BF16（张量核心）', 'copy in device memory': '显存内复制',
+    'host → device, pageable': '主机 → 设备，可分页内存', 'host → device, pinned': '主机 → 设备，锁页内存',
+    'BF16 on tensor cores / FP32 on CUDA cores': '张量核心上的 BF16 / CUDA 核心上的 FP32',
+    'little gain: no BF16 tensor cores on this GPU': '提升不大：这块 GPU 没有支持 BF16 的张量核心',
+    'the tensor cores at work: the same product in a narrower type runs many times faster':
+        '张量核心在起作用：同样的乘法换用更窄的数据类型，快了许多倍',
+    'GPU 0 → GPU 1: {rate:.1f} GB/s (direct peer access: {peer})': 'GPU 0 → GPU 1：{rate:.1f} GB/s（点对点直接访问：{peer}）',
+    'No GPU here: the GPU rungs of the latency ladder below stay textbook figures.':
+        '这里没有 GPU：下文延迟阶梯中与 GPU 有关的台阶仍是教科书中的数字。',
+    'L1 cache reference': '访问 L1 缓存', 'L2 cache reference': '访问 L2 缓存', 'L3 cache hit': 'L3 缓存命中',
+    'memory reference, 64 MB block': '访问内存，64 MB 数据块', 'one PyTorch call on a tiny tensor': '对很小的张量调用一次 PyTorch',
+    'launch a CUDA kernel': '启动一个 CUDA 内核', 'send 4 KB over 10 Gbit/s Ethernet': '经 10 Gbit/s 以太网发送 4 KB',
+    'copy 1 MB in memory': '在内存中复制 1 MB', 'transfer 1 MB to the GPU over PCIe': '经 PCIe 向 GPU 传输 1 MB',
+    'read 4 KB randomly from an NVMe SSD': '从 NVMe 固态硬盘随机读取 4 KB',
+    'read 1 MB sequentially from an NVMe SSD': '从 NVMe 固态硬盘顺序读取 1 MB',
+    'round trip within a data centre': '数据中心内的一次往返', 'read 1 MB sequentially from a disk': '从磁盘顺序读取 1 MB',
+    'random disk access (seek + rotation)': '随机访问磁盘（寻道 + 旋转）',
+    'one {n}×{n} float32 matmul': '一次 {n}×{n} 的 float32 矩阵乘法',
+    'packet California → Netherlands → California': '数据包往返：加州 → 荷兰 → 加州',
+    'textbook (Eshelman)': '教科书（Eshelman）', 'this machine': '这台机器', 'the latency ladder': '延迟阶梯',
+    'textbook {t}': '教科书 {t}',
     # 05
     'activations / gradients': '激活值 / 梯度', 'partial results after every layer': '每层之后交换部分结果',
     'all-reduce of the gradients': '梯度的 all-reduce',
@@ -278,9 +356,62 @@ FIGURE_TEXT = {
     'layer {i}': '第 {i} 层', 'data shard {h}': '数据分片 {h}',
     'epoch': '轮数', 'test accuracy': '测试准确率',
     # 06
+    '{n} buckets; share of all-reduce time during the backward pass: overlapped {a:.0%}, after backward {b:.0%}':
+        '{n} 个桶；all-reduce 时间中落在反向传播期间的比例：重叠：{a:.0%}，反向传播之后再做：{b:.0%}',
+    'step time, all-reduce after backward / overlapped': '每步耗时：反向传播之后再 all-reduce / 重叠',
+    'overlapping cost time here: the all-reduce took cores that the backward pass needed':
+        '在这里重叠反而费时：all-reduce 占用了反向传播需要的核心',
+    'about the same: the all-reduce moved into the backward pass, but competes with it for the same cores':
+        '差不多：all-reduce 挪进了反向传播期间，但与它争用同一批核心',
+    'the overlap pays: part of the all-reduce hid behind the backward pass': '重叠有收益：一部分 all-reduce 隐藏在了反向传播背后',
+    'forward': '前向传播', 'backward (gradients ready)': '反向传播（梯度就绪）',
+    'all-reduce (bucket {k}, {kb:.0f} kB)': 'all-reduce（桶 {k}，{kb:.0f} kB）', 'optimiser step': '优化器更新',
+    'DDP: each bucket is all-reduced as soon as it is ready': 'DDP：每个桶一就绪就做 all-reduce',
+    'baseline: all buckets are all-reduced after backward': '对照：反向传播结束后再对所有桶做 all-reduce',
+    'step {step:.0f} ms, {overlap:.0%} of all-reduce time during backward (median of {n} steps)':
+        '每步 {step:.0f} ms，{overlap:.0%} 的 all-reduce 时间落在反向传播期间（{n} 步的中位数）',
+    'time since the step began ({unit}); rank 0': '自本步开始以来的时间（{unit}）；rank 0',
+    "a parameter's gradient is ready (colour: its bucket)": '某个参数的梯度就绪（颜色：所在的桶）',
+    'backward() waits for the all-reduce': 'backward() 在等待 all-reduce',
+    'all gradients of rank 0 computed': 'rank 0 的梯度全部算完', '... and of the slowest rank': '……以及最慢的 rank 的梯度全部算完',
+    '{n} process(es): {rate:.0f} images/s, accuracy {acc:.3f}, speed-up {s:.2f}×, scaling efficiency {e:.0%}':
+        '{n} 个进程：{rate:.0f} 张图像/秒，准确率 {acc:.3f}，加速比 {s:.2f}×，扩展效率 {e:.0%}',
+    '{n} process(es)': '{n} 个进程',
+    '{mode} mode: largest gradient difference, relative to the gradient: {gap:.1e}':
+        '{mode}模式：梯度的最大差值（相对于梯度本身）：{gap:.1e}',
+    'two replicas against one model, training mode': '训练模式下，两个副本与单个模型的梯度相对差异',
+    'training': '训练', 'evaluation': '评估',
+    'the same step: this model keeps no per-batch statistics': '步骤相同：这个模型不使用按批量计算的统计量',
+    "a different step: each replica's BatchNorm normalises its own chunk with its own statistics":
+        '不同的一步：每个副本的 BatchNorm 都用自己那一块数据的统计量做归一化',
     '1 process': '1 个进程', '2 processes': '2 个进程', 'perfect scaling': '理想的线性扩展',
     'images/s': '每秒图像数', 'DDP throughput on this machine': '这台机器上的 DDP 吞吐量',
     # 07
+    's=0 against the synchronous server, first 10 steps: largest loss difference {g:.1e}':
+        's=0 与同步服务器对比，前 10 步：损失的最大差值 {g:.1e}',
+    '{run}: {s:.2f} s, steps per worker {steps}, at most {ahead} steps ahead, test loss {loss:.3f}, test accuracy {acc:.3f}':
+        '{run}：{s:.2f} 秒，各工作节点的步数 {steps}，最多领先 {ahead} 步，测试损失 {loss:.3f}，测试准确率 {acc:.3f}',
+    's=0, straggler, seed 1': 's=0，掉队者，随机种子 1',
+    'synchronous ps_process': '同步 ps_process',
+    's=0, straggler': 's=0，掉队者', 's=∞, straggler': 's=∞，掉队者', 's=0, hiccups': 's=0，间歇停顿',
+    's=2, hiccups': 's=2，间歇停顿',
+    'seconds': '秒', 'training loss (mean of 10 steps)': '训练损失（10 步的均值）', 'against time': '按时间',
+    'updates applied': '已应用的更新次数', 'against updates': '按更新次数',
+    'with a straggler, time at s=0 / at s=∞': '有掉队者时，s=0 与 s=∞ 的耗时之比',
+    'no gain: the straggler barely held the others back': '没有收益：掉队者几乎没有拖慢其他节点',
+    'asynchronous SGD finishes sooner: nobody waits for the straggler': '异步 SGD 更早完成：谁都不必等待掉队者',
+    'with hiccups, time at s=0 / at s=2': '有间歇停顿时，s=0 与 s=2 的耗时之比',
+    'no gain: the pauses were too short to matter': '没有收益：停顿太短，影响不大',
+    'bounded staleness absorbs the hiccups: one worker runs ahead while the other pauses':
+        '有界延迟吸收了间歇停顿：一个工作节点暂停时，另一个可以先走几步',
+    'test loss after the same updates, s=∞ minus s=0, in units of what a rerun changes':
+        '应用相同次数的更新之后的测试损失，s=∞ 减去 s=0，以重新运行一次带来的变化为单位',
+    'lower with asynchrony, by more than a rerun changes it': '异步时更低，差别超过了重新运行一次带来的变化',
+    'within what a rerun changes: at this size, the harm of staleness is too small to measure':
+        '在重新运行一次带来的变化之内：在这样的规模下，过时造成的损害小到测不出来',
+    'higher with asynchrony, by more than a rerun changes it: stale gradients hurt':
+        '异步时更高，差别超过了重新运行一次带来的变化：过时的梯度造成了损害',
+    's=∞, straggler, again': 's=∞，掉队者，再运行一次',
     '4 KiB over 1024 devices, tree over ring': '1024 个设备上的 4 KiB：树与环的耗时之比',
     'the tree wins for small messages on many devices: fewer steps, each paying alpha':
         '设备很多、消息很小时树胜出：步数更少，而每一步都要付出 alpha',
@@ -744,7 +875,11 @@ def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300, show=False)
     with the end of its output; past `timeout` seconds everything is killed and TimeoutError
     raised. No launcher or worker outlives the call: all launchers are watched
     at once, so a node that fails early is reported at once. show=True prints each
-    node's command line first, as you would type it on that machine. Used in: 06.
+    node's command line first, as you would type it on that machine. With several
+    nodes on a machine that has a GPU for every process, node i sees only its own
+    GPUs (CUDA_VISIBLE_DEVICES, shown in its command line), as on separate machines:
+    otherwise every node's LOCAL_RANK 0 would pick cuda:0, which NCCL refuses.
+    Used in: 06.
     """
     base = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nproc_per_node}']
     if nnodes == 1:
@@ -753,12 +888,16 @@ def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300, show=False)
         rendezvous = [f'--nnodes={nnodes}', '--rdzv-backend=c10d', f'--rdzv-id={uuid.uuid4().hex[:8]}',
                       f'--rdzv-endpoint=127.0.0.1:{free_port()}']
         commands = [base + rendezvous + [str(script), *map(str, args)]] * nnodes
+    visible = node_gpus(nnodes, nproc_per_node)
     if show:
         for node, command in enumerate(commands):
-            print(f'node {node}: ' + shlex.join(['torchrun'] + command[3:]))
+            prefix = f'CUDA_VISIBLE_DEVICES={visible[node]} ' if visible[node] is not None else ''
+            print(f'node {node}: {prefix}' + shlex.join(['torchrun'] + command[3:]))
     logs = [tempfile.TemporaryFile(mode='w+') for _ in commands]
     procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=hasattr(os, 'killpg')) for cmd, log in zip(commands, logs)]
+                              env=None if gpus is None else {**os.environ, 'CUDA_VISIBLE_DEVICES': gpus},
+                              start_new_session=hasattr(os, 'killpg'))
+             for cmd, log, gpus in zip(commands, logs, visible)]
     def output(node):
         logs[node].seek(0)
         return logs[node].read()
@@ -783,6 +922,20 @@ def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300, show=False)
                 stop_process_tree(p)
         for log in logs:
             log.close()
+
+
+def node_gpus(nnodes, nproc_per_node):
+    """CUDA_VISIBLE_DEVICES for each of `nnodes` launchers on this host, or None to leave it alone.
+
+    Only when there are several nodes and a GPU for every process: node i then gets
+    GPUs i·nproc_per_node … (i+1)·nproc_per_node − 1. Used by torchrun().
+    """
+    if nnodes == 1 or num_gpus() < nnodes * nproc_per_node:
+        return [None] * nnodes
+    # indices count the GPUs this process sees: map them through a CUDA_VISIBLE_DEVICES already set
+    seen = os.environ.get('CUDA_VISIBLE_DEVICES', '').split(',')
+    name = (lambda k: seen[k].strip()) if len(seen) >= num_gpus() and seen[0].strip() else str
+    return [','.join(name(node * nproc_per_node + j) for j in range(nproc_per_node)) for node in range(nnodes)]
 
 
 def stop_process_tree(popen, grace=5):
@@ -1013,8 +1166,8 @@ def measure(fn, *args, repeats=None, sync=True, device=None, min_run_time=0.2):
     """Median seconds per call of fn(*args), after a warm-up call, device synchronised.
 
     Without `repeats`, torch.utils.benchmark's blocked_autorange runs fn in
-    blocks until `min_run_time` seconds have passed, synchronising CUDA around
-    each block, and returns the median time per call. We give it all of
+    blocks until `min_run_time` seconds have passed, synchronising the current
+    GPU around each block, and returns the median time per call. We give it all of
     PyTorch's threads: its own default is ONE thread, which would quietly time
     a different program than the one you run.
 
@@ -1107,6 +1260,83 @@ def verdict(what, value, cases, unit='×', digits=2, shown=None):
     number = shown if shown is not None else f'{value:.{digits}f}{unit}'
     print(say('Verdict: ', '结论：') + f'{text(what)}{say(": ", "：")}{number} → {text(case_text)}')
     return Case(key)
+
+
+def cache_knees(sizes, rates, drop=0.8):
+    """Working-set sizes at which read throughput falls clearly: the first size of each step down.
+
+    On a 3-point running median (one noisy point is not a knee), a knee is
+    where the rate falls below `drop` times the best rate since the last knee.
+    A knee closer than a factor of 4 to the previous one belongs to the same
+    step. Heuristic, for the print-out beside the plot. Used in: 04.
+    """
+    if len(sizes) != len(rates) or len(sizes) < 3:
+        raise ValueError(f'need as many rates as sizes, at least 3; got {len(sizes)} and {len(rates)}.')
+    smooth = [rates[0]] + [float(np.median(rates[i - 1:i + 2])) for i in range(1, len(rates) - 1)] \
+        + [rates[-1]]
+    knees, plateau = [], smooth[0]
+    for size, rate in zip(sizes[1:], smooth[1:]):
+        if rate < drop * plateau:
+            if not knees or size >= 4 * knees[-1]:
+                knees.append(size)
+            plateau = rate
+        else:
+            plateau = max(plateau, rate)
+    return knees
+
+
+def compile_c(source, *flags):
+    """Compile a C file with the machine's compiler; return the path of the program.
+
+    The program is written next to the source. Tries cc, gcc and clang, then
+    the C++ compiler the course already needs for torch.compile (the course's
+    C files are valid C++ too). A failed compilation raises with the
+    compiler's own message. Used in: 04.
+    """
+    source = Path(source)
+    if not source.is_file():
+        raise FileNotFoundError(f'no C source at {source}.')
+    compiler = next(filter(None, map(shutil.which, ('cc', 'gcc', 'clang', 'c++', 'g++', 'clang++'))), None)
+    if compiler is None:
+        raise RuntimeError(say('No C or C++ compiler found; install one (sudo apt-get install g++) '
+                               'and run this cell again.',
+                               '没有找到 C 或 C++ 编译器；请先安装（sudo apt-get install g++），再运行本单元格。'))
+    program = source.with_suffix('.exe' if os.name == 'nt' else '')
+    done = subprocess.run([compiler, '-O2', str(source), '-o', str(program), *flags],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode:
+        raise RuntimeError(f'{Path(compiler).name} could not compile {source}:\n{done.stderr[-3000:]}')
+    return program
+
+
+# Datasheet figures of common NVIDIA GPUs (source: NVIDIA's datasheets). Tensor-core rates are
+# dense: datasheets quote them "with sparsity", twice the dense rate. The first matching row wins.
+GPU_DATASHEETS = [  # (pattern in the device name, FP32, TF32, BF16 in TFLOP/s, memory GB/s)
+    (r'GH200', 67, 494.7, 989.5, 4000),             # the 96 GB HBM3 Grace Hopper; 4900 with HBM3e
+    (r'H200.*NVL', 60, 417.5, 835.5, 4800),
+    (r'H200', 67, 494.7, 989.5, 4800),
+    (r'H100.*NVL', 60, 417.5, 835.5, 3900),
+    (r'H100.*PCIe', 51, 378, 756, 2000),
+    (r'H100', 67, 494.7, 989.5, 3350),
+    (r'A100.*(80GB.*PCIe|PCIE.*80GB)', 19.5, 156, 312, 1935),
+    (r'A100.*80GB', 19.5, 156, 312, 2039),
+    (r'A100', 19.5, 156, 312, 1555),
+    (r'L4\b', 30.3, 60, 121, 300),
+    (r'V100', 15.7, None, None, 900),
+    (r'T4\b', 8.1, None, None, 320),
+]
+
+
+def gpu_datasheet(name):
+    """The datasheet row for a GPU name as torch.cuda.get_device_name reports it, or None.
+
+    Returns a dict with fp32, tf32, bf16 (TFLOP/s; None where the chip has no
+    such tensor-core mode) and memory_gbs. Used in: 04.
+    """
+    for pattern, fp32, tf32, bf16, memory in GPU_DATASHEETS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return {'fp32': fp32, 'tf32': tf32, 'bf16': bf16, 'memory_gbs': memory}
+    return None
 
 
 @contextlib.contextmanager
@@ -1628,10 +1858,190 @@ def resnet18(num_classes=10, width=64, in_channels=1):
     return nn.Sequential(*layers)
 
 
+def _covered(spans, lo=-float('inf'), hi=float('inf')):
+    """Seconds covered by the union of (start, end) spans, counting only the part in [lo, hi]."""
+    total, reach = 0.0, lo
+    for start, end in sorted(spans):
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total, reach = total + end - start, end
+    return total
+
+
+def ddp_timeline(rank, world_size, run):
+    """Worker for launch(): when DDP all-reduces its gradient buckets during the backward pass.
+
+    `run` is a dict with width (of common.resnet18), batch_size (per process),
+    bucket_cap_mb, warmup and steps. The model is trained in two modes, by two DDP
+    communication hooks that do the same all-reduce: 'overlapped' sends each bucket
+    the moment DDP hands it over (what DDP always does); 'after backward' holds every
+    bucket until the last one is ready and then sends them one by one, as a loop of
+    all-reduces after loss.backward() would. The modes take turns, step by step.
+    Each step records, in seconds from its start, when each parameter's gradient was
+    accumulated, when each bucket's all-reduce started and finished, when the slowest
+    rank had all its gradients, and the forward, backward and optimiser phases.
+    Rank 0 returns, per mode, the events of the median step and medians over steps of
+    the step time, the gradient computation, the all-reduce time and the overlap: the
+    share of all-reduce time that passed while backward was still computing
+    gradients; also each bucket's parameter names and size in bytes, and whether both
+    hooks give exactly the gradients of DDP's built-in all-reduce. Runs over gloo on
+    CPU processes. Used in: 06.
+    """
+    clock = time.perf_counter
+    torch.manual_seed(0)
+    net = resnet18(width=run['width'])
+    gen = torch.Generator().manual_seed(rank)  # each rank has its own (random) batch
+    X = torch.randn(run['batch_size'], 1, 28, 28, generator=gen)
+    y = torch.randint(0, 10, (run['batch_size'],), generator=gen)
+
+    def send(log, bucket):
+        # The hook contract: return a Future holding the bucket's new (averaged) values.
+        # Dividing by the world size first is what DDP's built-in all-reduce does.
+        start = clock() - log['t0']
+        work = dist.all_reduce(bucket.buffer().div_(world_size), async_op=True)
+
+        def done(fut):  # runs when the all-reduce has finished
+            log['allreduce'].append((bucket.index(), start, clock() - log['t0']))
+            log['buckets'][bucket.index()] = ([log['names'][p] for p in bucket.parameters()],
+                                              bucket.buffer().nbytes)
+            return fut.value()[0]
+        return work.get_future().then(done)
+
+    def hold_until_last(log, bucket):  # the baseline: nothing is sent during backward
+        mine = torch.futures.Future()  # a promise of this bucket's result, kept below
+        log['held'].append((bucket, mine))
+        if bucket.is_last():  # DDP hands buckets over in order: every gradient is computed
+            for held, fut in log['held']:
+                fut.set_result(send(log, held).wait())
+            log['held'] = []
+        return mine
+
+    def make(hook):  # a DDP replica of the same model, with its own event log
+        model = DDP(copy.deepcopy(net), bucket_cap_mb=run['bucket_cap_mb'])
+        log = {'held': [], 'buckets': {}, 'names': {p: n for n, p in model.module.named_parameters()}}
+        if hook:
+            model.register_comm_hook(log, hook)
+        for p in model.parameters():  # fires once p.grad holds this step's local gradient
+            p.register_post_accumulate_grad_hook(
+                lambda p: log['grad'].append((log['names'][p], clock() - log['t0'])))
+        return model, log, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(model, log, opt):  # one training step; returns its events, in s from its start
+        dist.barrier()  # all ranks start the step together
+        log.update(t0=clock(), grad=[], allreduce=[])
+        loss = torch.nn.functional.cross_entropy(model(X), y)
+        forward_end = clock() - log['t0']
+        opt.zero_grad()
+        loss.backward()  # returns once DDP has the last bucket's all-reduce back
+        backward_end = clock() - log['t0']
+        opt.step()
+        end = clock() - log['t0']
+        computed = max(t for _, t in log['grad'])  # the last local gradient is ready
+        # A bucket's all-reduce cannot finish before the slowest rank has handed it over:
+        # when did the last rank finish its gradients? (perf_counter is machine-wide.)
+        slowest = torch.tensor([log['t0'] + computed], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        spans = [(a, b) for _, a, b in log['allreduce']]
+        return {'forward': (0.0, forward_end), 'backward': (forward_end, backward_end),
+                'computed': computed, 'all computed': slowest.item() - log['t0'],
+                'optimizer': (backward_end, end), 'step_s': end, 'grad': log['grad'],
+                'allreduce': sorted(log['allreduce']), 'compute_s': computed - forward_end,
+                'allreduce_s': _covered(spans),
+                'overlap': _covered(spans, forward_end, computed) / max(_covered(spans), 1e-12)}
+
+    modes = {'built-in': make(None), 'overlapped': make(send), 'after backward': make(hold_until_last)}
+    for replica in modes.values():  # the first step, on the same batch, must give the same gradients
+        step(*replica)
+    grads = {mode: [p.grad for p in model.parameters()] for mode, (model, _, _) in modes.items()}
+    out = {'same_grads': all(torch.equal(a, b) for mode in ('overlapped', 'after backward')
+                             for a, b in zip(grads[mode], grads['built-in']))}
+    del modes['built-in']
+    # Alternate the two modes step by step, so that a busy machine slows both alike.
+    # DDP re-orders its buckets after the first step; the warm-up steps are dropped.
+    steps = {mode: [] for mode in modes}
+    for _ in range(run['warmup'] + run['steps']):
+        for mode, replica in modes.items():
+            steps[mode].append(step(*replica))
+    for mode, seen in steps.items():
+        seen = seen[run['warmup']:]
+        out[mode] = {key: statistics.median(s[key] for s in seen)
+                     for key in ('step_s', 'compute_s', 'allreduce_s', 'overlap')}
+        out[mode]['median step'] = sorted(seen, key=lambda s: s['step_s'])[len(seen) // 2]
+        out[mode]['steps_s'] = [s['step_s'] for s in seen]
+    buckets = modes['overlapped'][1]['buckets']
+    out['buckets'] = [buckets[k][0] for k in sorted(buckets)]
+    out['bucket_bytes'] = [buckets[k][1] for k in sorted(buckets)]
+    return out if rank == 0 else None
+
+
+_DDP_MODES = (('overlapped', 'DDP: each bucket is all-reduced as soon as it is ready'),
+         ('after backward', 'baseline: all buckets are all-reduced after backward'))
+
+
+
+def plot_ddp_timeline(result, unit='ms'):
+    """Draw the median step of both modes of ddp_timeline() on one time axis; return the figure.
+
+    One row of lanes per mode: forward, backward (a tick per parameter when its gradient
+    is ready, coloured by its bucket; hatched while backward() waits for the all-reduce),
+    one lane per bucket's all-reduce, and the optimiser step. Labels go through tr().
+    Used in: 06.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    scale = {'s': 1, 'ms': 1e3}[unit]
+    buckets = result['buckets']
+    bucket_of = {name: k for k, names in enumerate(buckets) for name in names}
+    colors = plt.get_cmap('tab10').colors
+    lanes = ([tr('forward'), tr('backward (gradients ready)')]
+             + [tr('all-reduce (bucket {k}, {kb:.0f} kB)', k=k, kb=size / 1e3)
+                for k, size in enumerate(result['bucket_bytes'])]
+             + [tr('optimiser step')])
+    fig, axes = plt.subplots(2, 1, figsize=(8, 1.6 + 0.5 * len(lanes)), sharex=True)
+    for ax, (mode, title) in zip(axes, _DDP_MODES):
+        step = result[mode]['median step']
+
+        def bar(row, start, end, **style):
+            ax.broken_barh([(start * scale, (end - start) * scale)], (row - 0.35, 0.7), **style)
+
+        bar(0, *step['forward'], color='0.7')
+        bar(1, step['backward'][0], step['computed'], color='0.88')
+        bar(1, step['computed'], step['backward'][1], facecolor='white', edgecolor='0.55', hatch='////')
+        for name, t in step['grad']:  # one tick per parameter, when its gradient is ready
+            ax.vlines(t * scale, 0.65, 1.35, color=colors[bucket_of[name] % 10], lw=1.2)
+        for k, start, end in step['allreduce']:
+            bar(2 + k, start, end, color=colors[k % 10])
+        bar(len(lanes) - 1, *step['optimizer'], color='0.35')
+        ax.axvline(step['computed'] * scale, color='k', ls='--', lw=0.8)
+        if step['all computed'] - step['computed'] > 0.01 * step['step_s']:
+            ax.axvline(step['all computed'] * scale, color='tab:red', ls=':', lw=1)
+        ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+        ax.invert_yaxis()
+        ax.grid(True, axis='x', alpha=0.3)
+        stats = result[mode]
+        ax.set_title(tr(title) + '\n' + tr('step {step:.0f} ms, {overlap:.0%} of all-reduce time '
+                                            'during backward (median of {n} steps)',
+                                            step=stats['step_s'] * 1e3, overlap=stats['overlap'],
+                                            n=len(stats['steps_s'])), fontsize=9)
+    axes[-1].set_xlabel(tr('time since the step began ({unit}); rank 0', unit=unit))
+    axes[-1].set_xlim(0, 1.02 * scale * max(result[m]['median step']['step_s'] for m, _ in _DDP_MODES))
+    fig.legend(handles=[
+        Line2D([], [], color=colors[0], lw=1.2, ls='', marker='|', markersize=10,
+               label=tr("a parameter's gradient is ready (colour: its bucket)")),
+        Patch(facecolor='white', edgecolor='0.55', hatch='////',
+              label=tr('backward() waits for the all-reduce')),
+        Line2D([], [], color='k', ls='--', lw=0.8, label=tr('all gradients of rank 0 computed')),
+        Line2D([], [], color='tab:red', ls=':', lw=1, label=tr('... and of the slowest rank')),
+    ], loc='lower center', ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
 # -------------------------------------------------------- parameter servers (07)
 # 07 §1-4: the cost model and ring all-reduce; §5: the key-value store;
-# §6-7: a sharded parameter server over processes, with faults (infrastructure
-# below ps_process: you need not read it to follow the section).
+# §6-7: a sharded parameter server over processes, with faults, and its asynchronous form
+# with bounded staleness (infrastructure below ps_process: you need not read it to follow).
 
 SYNC_STRATEGIES = ('gpu0', 'cpu', 'split', 'ring')
 # How figures and the calculator name them (Chinese in FIGURE_TEXT).
@@ -1986,12 +2396,7 @@ def ps_process(rank, world_size, run):
     resume). It runs on CPU processes: launch it over gloo (the default).
     Used in: 07.
     """
-    if dist.get_backend() != 'gloo':
-        raise ValueError(f"ps_process runs on CPU processes; launch it with backend='gloo', "
-                         f'not {dist.get_backend()!r}.')
-    servers = run['servers']
-    if not 1 <= servers < world_size:
-        raise ValueError(f'need 1 <= servers < processes; got {servers} servers of {world_size}.')
+    servers = _ps_check(world_size, run, 'ps_process')
     plan = shard_keys(LENET_SHAPES, servers, run.get('piece'))
     workers = list(range(servers, world_size))
     worker_group = dist.new_group(workers)  # every rank must take part in creating it
@@ -2000,6 +2405,16 @@ def ps_process(rank, world_size, run):
         return _ps_server(rank, run, plan, workers, start)
     return _ps_worker(rank - servers, run, plan, workers, start, worker_group)
 
+
+def _ps_check(world_size, run, name):
+    """The number of servers, after checking the backend and the roles."""
+    if dist.get_backend() != 'gloo':
+        raise ValueError(f"{name} runs on CPU processes; launch it with backend='gloo', "
+                         f'not {dist.get_backend()!r}.')
+    servers = run['servers']
+    if not 1 <= servers < world_size:
+        raise ValueError(f'need 1 <= servers < processes; got {servers} servers of {world_size}.')
+    return servers
 
 def _ps_checkpoint_files(run, s):
     ckpt = run.get('checkpoint')
@@ -2124,8 +2539,190 @@ def _ps_worker(w, run, plan, workers, start, worker_group):
            'images_per_s': (run['steps'] - start) * batch_size / seconds,
            'params': [q.detach().clone() for q in params] if w == 0 else None}
     if w == 0 and run.get('test_subset'):
-        X, y = fashion_mnist_datasets(download=False)[1].tensors
-        n = run['test_subset']
+        out.update(_ps_test(params, run['test_subset']))
+    return out
+
+
+def _ps_test(params, n):
+    """Accuracy and loss of LeNet with `params` on the first n test images."""
+    X, y = fashion_mnist_datasets(download=False)[1].tensors
+    with torch.no_grad():
+        logits = lenet(X[:n], params)
+    return {'test_accuracy': accuracy(logits, y[:n]) / n,
+            'test_loss': float(torch.nn.functional.cross_entropy(logits, y[:n]))}
+
+def ps_async_process(rank, world_size, run):
+    """Worker for launch(): LeNet trained by asynchronous SGD with bounded staleness.
+
+    Same roles and `run` as ps_process (servers, steps, batch_size (global),
+    lr, seed, subset, piece, test_subset, timeout, fault; no checkpoint), but
+    no process waits for all the others. A worker computes the gradient of its
+    slice of a minibatch on the parameters it last pulled, pushes it and pulls
+    again; a server applies each push the moment it arrives, as that worker's
+    share of a synchronous step (w -= lr·g/batch_size), and answers with its
+    shard. run['staleness'] = s bounds how far the workers drift apart (stale
+    synchronous parallel): a server holds back its answer to a worker that
+    has pushed more than s steps beyond the slowest one. s=0 is synchronous
+    SGD (the updates of ps_process, added one push at a time); s=None never
+    waits. The servers apply steps × workers updates in every mode, handed
+    out by server 0 first come, first served, so a fast worker does more of
+    them. run['slow'] = {worker: seconds, or a list of seconds cycled over
+    the steps} makes that worker sleep in every step: a straggler.
+    Workers report per step: loss, staleness (how many steps this worker was
+    ahead of the slowest worker whose updates its parameters held; at most s)
+    and delay (how many updates of other workers the server applied between
+    this worker's pull and its push). Launch it over gloo.
+    Used in: 07.
+    """
+    servers = _ps_check(world_size, run, 'ps_async_process')
+    s = run.get('staleness')
+    if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
+        raise ValueError(f'staleness must be a whole number >= 0, or None; got {s!r}.')
+    plan = shard_keys(LENET_SHAPES, servers, run.get('piece'))
+    shards = [[p for p in plan if p['server'] == k] for k in range(servers)]
+    if rank < servers:
+        return _ps_async_server(rank, run, shards[rank], world_size - servers)
+    return _ps_async_worker(rank - servers, run, shards)
+
+
+# A push to a server is [its slice of the gradient, worker index]; the answer is
+# [its slice of the weights, pushes applied per worker, delay of that push, go].
+
+
+def _ps_async_server(s, run, mine, workers):
+    servers, lr, batch_size = run['servers'], run['lr'], run['batch_size']
+    bound = run.get('staleness')
+    budget = run['steps'] * workers   # updates in all, however the workers share them
+    init = lenet_params(run.get('seed', 0))
+    weights = torch.cat([init[p['param']].reshape(-1)[p['start']:p['stop']] for p in mine])
+    clock = [0] * workers             # pushes applied, per worker
+    pulled_at = [0] * workers         # updates applied when each worker last pulled
+    delay = [0] * workers             # updates of others between a worker's pull and its push
+    held = set()                      # workers whose answer is held back
+    tickets, done = 0, set()          # server 0: steps handed out, workers told to stop
+
+    def answer(w):
+        nonlocal tickets
+        go = s == 0 and tickets < budget  # server 0 says whether w computes another step
+        tickets += go
+        if s == 0 and not go:
+            done.add(w)
+        pulled_at[w] = sum(clock)
+        message = torch.cat([weights, torch.tensor(clock + [delay[w], go], dtype=torch.float)])
+        what = f'server {s} (rank {s}) answering worker {w} (rank {servers + w})'
+        with _ps_link(what):
+            request = dist.isend(message, servers + w)
+        _ps_wait([request], what, run.get('timeout'))
+
+    for w in range(workers):          # the first pull
+        answer(w)
+    push, t0 = torch.empty(len(weights) + 1), time.perf_counter()
+    while sum(clock) < budget:
+        _ps_fault(run, 'server', s, sum(clock) // workers)
+        busy = ', '.join(f'worker {v} (rank {servers + v})' for v in range(workers)
+                         if v not in held | done)
+        what = (f'server {s} (rank {s}) waiting for a push from {busy} '
+                f'(pushes so far, per worker: {clock})')
+        # From any worker, whichever pushes first. (Gloo cannot poll one receive
+        # per worker: is_completed() stays False until wait() is called.)
+        with _ps_link(what):
+            request = dist.irecv(push)
+        _ps_wait([request], what, run.get('timeout'))
+        w = int(push[-1])
+        delay[w] = sum(clock) - pulled_at[w]
+        weights -= lr * push[:-1] / batch_size   # applied at once: no barrier
+        clock[w] += 1
+        held.add(w)
+        # Answer every held worker that is at most `bound` steps ahead of the
+        # slowest, and everyone once the last update is in.
+        for v in sorted(held):
+            if bound is None or clock[v] - min(clock) <= bound or sum(clock) == budget:
+                held.remove(v)
+                answer(v)
+    seconds = time.perf_counter() - t0
+    for w in range(workers):          # the final pull: every update applied
+        answer(w)
+    return {'role': 'server', 'index': s, 'pushes': sum(clock), 'pushes_per_worker': clock,
+            'seconds': seconds}
+
+
+def _ps_async_worker(w, run, shards):
+    servers = len(shards)
+    rank, batch_size, seed = servers + w, run['batch_size'], run.get('seed', 0)
+    workers = dist.get_world_size() - servers
+    X_all, y_all = fashion_mnist_datasets(subset=run.get('subset'), download=False)[0].tensors
+    order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(seed))
+    params = [torch.zeros(shape, requires_grad=True) for shape in LENET_SHAPES]
+    sizes = [[p['stop'] - p['start'] for p in shard] for shard in shards]
+    pause = (run.get('slow') or {}).get(w, 0)
+    patience = run.get('timeout') and 2 * run['timeout']  # a held pull waits for a slow peer
+
+    def pull():
+        bufs = [torch.empty(sum(n) + workers + 2) for n in sizes]
+        what = f'worker {w} (rank {rank}) pulling from the servers (ranks 0-{servers - 1})'
+        with _ps_link(what):
+            requests = [dist.irecv(b, k) for k, b in enumerate(bufs)]
+        _ps_wait(requests, what, patience)
         with torch.no_grad():
-            out['test_accuracy'] = accuracy(lenet(X[:n], params), y[:n]) / n
+            for shard, n, b in zip(shards, sizes, bufs):
+                for p, value in zip(shard, b[:sum(n)].split(n)):
+                    params[p['param']].view(-1)[p['start']:p['stop']] = value
+        clocks = [b[-workers - 2:-2].long() for b in bufs]
+        return {'staleness': max(int(c[w] - c.min()) for c in clocks),
+                'updates': int(clocks[0].sum()),          # in the parameters just pulled
+                'delay': max(int(b[-2]) for b in bufs),   # of the push just applied
+                'go': bool(bufs[0][-1])}
+
+    got = pull()
+    losses, staleness, updates, delays, times = [], [], [], [], []
+    step, images, t0 = 0, 0, time.perf_counter()
+    while got['go']:
+        _ps_fault(run, 'worker', w, step)
+        staleness.append(got['staleness'])
+        updates.append(got['updates'])
+        time.sleep(pause[step % len(pause)] if isinstance(pause, (list, tuple)) else pause)
+        mine = batch_indices(order, step, batch_size, w, workers)
+        loss = torch.nn.functional.cross_entropy(lenet(X_all[mine], params), y_all[mine],
+                                                 reduction='sum')
+        loss.backward()
+        losses.append(loss.item() / len(mine))
+        images += len(mine)
+        messages = [torch.cat([params[p['param']].grad.reshape(-1)[p['start']:p['stop']]
+                               for p in shard] + [torch.tensor([float(w)])])
+                    for shard in shards]  # alive until sent
+        what = f'worker {w} (rank {rank}) pushing the gradient of its step {step}'
+        with _ps_link(what):
+            requests = [dist.isend(m, k) for k, m in enumerate(messages)]
+        got = pull()
+        _ps_wait(requests, what, run.get('timeout'))
+        delays.append(got['delay'])
+        times.append(time.perf_counter() - t0)
+        for q in params:
+            q.grad = None
+        step += 1
+    seconds = time.perf_counter() - t0
+    pull()  # the final parameters, once every update is applied
+    out = {'role': 'worker', 'index': w, 'steps': step, 'losses': losses,
+           'staleness': staleness, 'updates': updates, 'delay': delays, 'times': times,
+           'max_staleness': max(staleness, default=0),
+           'mean_staleness': sum(staleness) / max(1, step),
+           'max_delay': max(delays, default=0), 'mean_delay': sum(delays) / max(1, step),
+           'images_per_s': images / seconds, 'seconds': seconds,
+           'params': [q.detach().clone() for q in params] if w == 0 else None}
+    if w == 0 and run.get('test_subset'):
+        out.update(_ps_test(params, run['test_subset']))
+    return out
+
+
+def ps_in_turn(rank, world_size, runs):
+    """Worker for launch(): several parameter-server runs in one process group, one after another.
+
+    Each run dict goes to ps_async_process if it has a 'staleness' entry, else to
+    ps_process; a barrier lines up the starts, so start-up is paid once and the
+    runs do not overlap. Returns this rank's results, one per run. Used in: 07.
+    """
+    out = []
+    for run in runs:
+        dist.barrier()
+        out.append((ps_async_process if 'staleness' in run else ps_process)(rank, world_size, run))
     return out

@@ -585,6 +585,83 @@ def test_no_orphans_when_launcher_is_interrupted_or_killed(tmp_path, how):
         parent.wait()
 
 
+# -------------------------------------------------------------- section 04
+
+def _written_file(section, filename):
+    """The body of the code cell of a section that starts with %%writefile filename."""
+    sys.path.insert(0, str(ROOT / 'tools'))
+    import nbpair
+    src = next(f for f in nbpair.sources() if f.name.startswith(section))
+    bodies = [c['en'].split('\n', 1)[1] for c in nbpair.parse(src)
+              if c['type'] == 'code' and c['en'].startswith(f'%%writefile {filename}\n')]
+    assert len(bodies) == 1, f'{section} writes {filename} once'
+    return bodies[0]
+
+
+def test_cache_knees_finds_the_steps_and_ignores_one_noisy_point():
+    sizes = [2 ** p for p in range(12, 24)]
+    rates = [100, 100, 100, 100, 60, 60, 60, 60, 60, 20, 20, 20]
+    assert common.cache_knees(sizes, rates) == [2 ** 16, 2 ** 21]
+    noisy = list(rates)
+    noisy[6] = 20                                   # one slow point inside a plateau is not a knee
+    assert common.cache_knees(sizes, noisy) == [2 ** 16, 2 ** 21]
+    with pytest.raises(ValueError, match='as many rates as sizes'):
+        common.cache_knees(sizes, rates[:-1])
+
+
+def test_04s_pointer_chase_compiles_and_sees_memory_slower_than_l1(tmp_path):
+    source = tmp_path / 'chase.c'
+    source.write_text(_written_file('04', 'artifacts/chase.c'))
+    program = common.compile_c(source)
+    done = subprocess.run([str(program), str(8 * 1024), str(128 * 2 ** 20)], capture_output=True,
+                          text=True, timeout=300, check=True)
+    small, large = (float(row.split()[1]) for row in done.stdout.splitlines())
+    assert large > 5 * small, (small, large)        # a 128 MiB block leaves every cache; 8 KiB fits L1
+
+
+def test_04s_false_sharing_program_counts_right(tmp_path):
+    source = tmp_path / 'false_sharing.c'
+    source.write_text(_written_file('04', 'artifacts/false_sharing.c'))
+    program = common.compile_c(source, '-pthread')
+    for distance in (8, 128):
+        done = subprocess.run([str(program), '1000000', str(distance)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0 and float(done.stdout) > 0   # exit 0: both counters reached N
+
+
+def test_compile_c_reports_the_compilers_message(tmp_path):
+    bad = tmp_path / 'bad.c'
+    bad.write_text('int main(void) { return undefined_name; }\n')
+    with pytest.raises(RuntimeError, match='undefined_name'):
+        common.compile_c(bad)
+    with pytest.raises(FileNotFoundError):
+        common.compile_c(tmp_path / 'missing.c')
+
+
+def test_compile_c_without_a_compiler_says_what_to_install(tmp_path, monkeypatch):
+    good = tmp_path / 'ok.c'
+    good.write_text('int main(void) { return 0; }\n')
+    monkeypatch.setattr(common.shutil, 'which', lambda name: None)
+    with pytest.raises(RuntimeError, match='apt-get install g\\+\\+'):
+        common.compile_c(good)
+
+
+@pytest.mark.parametrize('name, bf16, memory', [
+    ('NVIDIA H200', 989.5, 4800), ('NVIDIA H100 80GB HBM3', 989.5, 3350), ('NVIDIA H100 PCIe', 756, 2000),
+    ('NVIDIA A100-SXM4-80GB', 312, 2039), ('NVIDIA A100-SXM4-40GB', 312, 1555),
+    ('NVIDIA A100 80GB PCIe', 312, 1935), ('NVIDIA L4', 121, 300), ('Tesla V100-SXM2-16GB', None, 900),
+    ('Tesla T4', None, 320), ('NVIDIA H100 NVL', 835.5, 3900), ('NVIDIA H200 NVL', 835.5, 4800),
+    ('NVIDIA GH200 480GB', 989.5, 4000)])
+def test_gpu_datasheet_rows_match_the_device_names_torch_reports(name, bf16, memory):
+    sheet = common.gpu_datasheet(name)
+    assert (sheet['bf16'], sheet['memory_gbs']) == (bf16, memory)
+
+
+def test_gpu_datasheet_does_not_guess():
+    assert common.gpu_datasheet('NVIDIA L40S') is None            # not the L4
+    assert common.gpu_datasheet('NVIDIA GeForce RTX 4090') is None
+
+
 # ---------------------------------------------------- data parallelism by hand
 
 # The functions are section 05's, defined on its page; the tests run that code.
@@ -685,6 +762,22 @@ def test_the_worker_recipe_of_05s_exercise_runs_and_matches_dp_worker(fashion_mn
     assert abs(flat[0]['checksum'] - per_tensor[0]['checksum']) < 1e-4 * abs(per_tensor[0]['checksum'])
 
 
+def test_05s_sharded_allreduce_solution_leaves_the_same_sums():
+    """Solution 5 of 05 (reduce-scatter, then all-gather) against the notebook's allreduce."""
+    import nbformat
+    stored = nbformat.read(ROOT / 'notebooks' / 'en' / '05-multi-gpu-from-scratch.ipynb', as_version=4)
+    code = next(re.search(r'```python\n(.*?)```', c.source.split('Solution 5</summary>')[1], re.S).group(1)
+                for c in stored.cells if c.cell_type == 'markdown' and 'Solution 5</summary>' in c.source)
+    namespace = dict(SECTION_05, devices=[torch.device('cpu')] * 3)
+    exec(code.split('\n\n\ndata = ')[0], namespace)
+    data = [torch.randn(1001) * (i + 1) for i in range(3)]      # 1001: slices of unequal length
+    expected = [t.clone() for t in data]
+    namespace['allreduce'](expected)
+    namespace['sharded_allreduce'](data)
+    for got, want in zip(data, expected):
+        torch.testing.assert_close(got, want)
+
+
 def _writefile_block(notebook, filename):
     """The one ```python block of a notebook's markdown that starts with %%writefile filename."""
     import nbformat
@@ -736,6 +829,20 @@ def test_torchrun_failure_raises_with_the_scripts_error(tmp_path):
         common.torchrun(job, nproc_per_node=2, timeout=120)
 
 
+def test_two_nodes_on_a_multi_gpu_host_see_their_own_gpus(monkeypatch):
+    """On T2, two launchers must not both give LOCAL_RANK 0 the same cuda:0 (NCCL refuses)."""
+    monkeypatch.setattr(common, 'num_gpus', lambda: 4)
+    monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
+    assert common.node_gpus(2, 1) == ['0', '1']
+    assert common.node_gpus(2, 2) == ['0,1', '2,3']
+    assert common.node_gpus(1, 4) == [None]                 # one node: leave the environment alone
+    assert common.node_gpus(3, 2) == [None, None, None]     # not a GPU for every process: leave it
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '4,5,6,7')   # the user already restricted the GPUs
+    assert common.node_gpus(2, 2) == ['4,5', '6,7']
+    monkeypatch.setattr(common, 'num_gpus', lambda: 0)
+    assert common.node_gpus(2, 1) == [None, None]           # CPU machines: gloo, nothing to hide
+
+
 def test_torchrun_timeout_leaves_nothing_behind(tmp_path):
     job = _script(tmp_path, f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
                             'time.sleep(600)\n')
@@ -743,6 +850,74 @@ def test_torchrun_timeout_leaves_nothing_behind(tmp_path):
         common.torchrun(job, nproc_per_node=2, timeout=8)
     pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
     assert len(pids) == 2 and _wait_until(lambda: not any(_alive(pid) for pid in pids), 10)
+
+
+# DDP's bucketed all-reduce during backward, measured (06's timeline)
+
+DDP_RUN = dict(width=8, batch_size=32, bucket_cap_mb=0.1, warmup=2, steps=5)
+DDP_MODES = ('overlapped', 'after backward')
+
+
+@pytest.fixture(scope='module')
+def ddp_result():
+    return common.launch(common.ddp_timeline, 2, DDP_RUN, threads=1, timeout=120)[0]
+
+
+@pytest.fixture(scope='module')
+def ddp_names():
+    return [name for name, _ in common.resnet18(width=DDP_RUN['width']).named_parameters()]
+
+
+def test_hooks_give_the_gradients_of_ddps_builtin_allreduce(ddp_result):
+    assert ddp_result['same_grads'] is True
+
+
+def test_every_parameter_is_in_exactly_one_bucket(ddp_result, ddp_names):
+    in_buckets = [name for bucket in ddp_result['buckets'] for name in bucket]
+    assert sorted(in_buckets) == sorted(ddp_names)
+    assert 3 <= len(ddp_result['buckets']) <= 6
+
+
+@pytest.mark.parametrize('mode', DDP_MODES)
+def test_ddp_sees_every_gradient_once_per_step(ddp_result, ddp_names, mode):
+    # register_post_accumulate_grad_hook fires under DDP, once per parameter
+    seen = [name for name, _ in ddp_result[mode]['median step']['grad']]
+    assert sorted(seen) == sorted(ddp_names)
+
+
+@pytest.mark.parametrize('mode', DDP_MODES)
+def test_a_bucket_is_sent_only_after_its_gradients_are_ready(ddp_result, mode):
+    step = ddp_result[mode]['median step']
+    ready = dict(step['grad'])
+    starts = {k: start for k, start, _ in step['allreduce']}
+    assert sorted(starts) == list(range(len(ddp_result['buckets'])))  # every bucket, once
+    for k, bucket in enumerate(ddp_result['buckets']):
+        assert starts[k] >= max(ready[name] for name in bucket)
+    assert list(starts.values()) == sorted(starts.values())  # DDP sends buckets in index order
+    assert all(start <= end for _, start, end in step['allreduce'])
+
+
+def test_ddp_starts_all_but_the_last_bucket_while_backward_computes(ddp_result):
+    step = ddp_result['overlapped']['median step']
+    *early, last = step['allreduce']
+    assert all(start < step['computed'] for _, start, _ in early)
+    assert last[1] >= step['computed']  # the last bucket holds the last gradient
+    assert ddp_result['overlapped']['overlap'] > 0
+
+
+def test_the_baseline_sends_nothing_before_backward_has_computed_everything(ddp_result):
+    step = ddp_result['after backward']['median step']
+    assert all(start >= step['computed'] for _, start, _ in step['allreduce'])
+    assert ddp_result['after backward']['overlap'] == 0
+
+
+@pytest.mark.parametrize('mode', DDP_MODES)
+def test_ddp_phases_follow_each_other(ddp_result, mode):
+    step = ddp_result[mode]['median step']
+    assert 0 < step['forward'][1] == step['backward'][0] < step['computed'] <= step['backward'][1]
+    assert step['backward'][1] == step['optimizer'][0] < step['optimizer'][1] == step['step_s']
+    assert max(end for _, _, end in step['allreduce']) <= step['backward'][1]  # DDP waits for all
+    assert step['all computed'] >= step['computed']
 
 
 # -------------------------------------------------------------- section 07
@@ -931,6 +1106,80 @@ def test_launch_names_the_killed_process_not_the_peer_that_noticed():
         common.launch(workers.rank_and_world, 2, names=['lonely'])
 
 
+# asynchronous SGD with bounded staleness on the parameter server (07)
+
+ASYNC_BASE = dict(servers=1, steps=20, batch_size=64, lr=0.1, seed=0, subset=2048, timeout=30)
+
+
+def _ps_roles(servers, workers):
+    return [f'server {s}' for s in range(servers)] + [f'worker {w}' for w in range(workers)]
+
+
+def _by_case(results, servers):
+    """[(server results, worker results)] per case, from launch's per-rank lists."""
+    return [([r[i] for r in results[:servers]], [r[i] for r in results[servers:]])
+            for i in range(len(results[0]))]
+
+
+def test_s0_is_synchronous_sgd():
+    # 2 servers, key pieces, 2 workers, one a straggler: s=0 must walk in lock-step
+    # and do the arithmetic of the synchronous ps_process, one push at a time.
+    run = dict(ASYNC_BASE, servers=2, steps=8, piece=16384, test_subset=None)
+    names = _ps_roles(2, 2)
+    results = common.launch(common.ps_in_turn, 4, [run, dict(run, staleness=0, slow={1: 0.01})],
+                            names=names, timeout=120, threads=1)
+    (_, sync), (servers, workers) = _by_case(results, 2)
+    assert [s['pushes_per_worker'] for s in servers] == [[8, 8], [8, 8]]
+    for a, b in zip(sync, workers):
+        assert b['steps'] == 8 and b['staleness'] == [0] * 8   # lock-step
+        assert b['updates'] == [2 * t for t in range(8)]       # all earlier steps of all workers
+        assert b['max_delay'] <= 1                              # only the other push of its round
+        assert max(abs(x - y) for x, y in zip(a['losses'], b['losses'])) < 1e-5
+    diff = max(float((x - y).abs().max()) for x, y in zip(sync[0]['params'], workers[0]['params']))
+    assert diff < 1e-5, f's=0 ends {diff:.1e} away from synchronous SGD'
+
+
+def test_staleness_bound_and_straggler():
+    # One server, two workers; worker 1 sleeps 30 ms a step. Then both hiccup in turn.
+    # Small batches, so that the sleeps, not the shared cores, set the pace.
+    straggler, hiccups = {1: 0.03}, {0: [0.04, 0], 1: [0, 0.04]}
+    runs = [dict(ASYNC_BASE, batch_size=32, staleness=s, slow=slow) for slow in (straggler, hiccups)
+            for s in (0, 1, None)]
+    results = common.launch(common.ps_in_turn, 3, runs, names=_ps_roles(1, 2), timeout=120, threads=1)
+    seconds = {}
+    for run, ([server], workers) in zip(runs, _by_case(results, 1)):
+        s = run['staleness']
+        assert server['pushes'] == 2 * run['steps'] == sum(w['steps'] for w in workers)
+        for w in workers:
+            assert len(w['losses']) == len(w['staleness']) == len(w['delay']) == w['steps']
+            if s is not None:
+                assert w['max_staleness'] <= s, (s, w['staleness'])
+                assert w['max_delay'] <= 2 * s + 1, (s, w['delay'])   # (workers-1)(2s+1)
+        seconds[s, run['slow'] is straggler] = server['seconds']
+    # Asynchrony lets the fast worker do more of the updates: clearly faster.
+    assert seconds[0, True] > 1.2 * seconds[None, True], seconds
+    assert results[1][2]['steps'] > results[2][2]['steps']   # worker 0 did more steps
+    # Hiccups that take turns cost a synchronous step every time, s=1 only half.
+    assert seconds[0, False] > 1.1 * seconds[1, False], seconds
+
+
+@pytest.mark.parametrize('kind, staleness', [('kill', 0), ('hang', None)])
+def test_failed_worker_stops_the_job(kind, staleness):
+    # With s=None the other worker finishes its steps; the server must still name worker 1.
+    run = dict(ASYNC_BASE, staleness=staleness, timeout=2,
+               fault=dict(role='worker', index=1, step=3, kind=kind))
+    t0 = time.perf_counter()
+    with pytest.raises((common.WorkerError, common.PSFault)) as error:
+        common.launch(common.ps_async_process, 3, run, names=_ps_roles(1, 2), timeout=60, threads=1)
+    message = str(error.value).splitlines()[0]
+    assert 'worker 1' in message, message
+    if kind == 'kill':
+        assert 'SIGKILL' in message, message
+    else:  # alive but silent: the server's timeout names the worker it waits for
+        assert isinstance(error.value, common.PSFault) and 'server 0' in message, message
+    assert time.perf_counter() - t0 < 30
+
+
 # ------------------------------------------------------- figures in Chinese
 
 def _tr_literals():
@@ -961,6 +1210,16 @@ def _tr_literals():
                         and node.args and isinstance(node.args[0], ast.Constant):
                     found.add(node.args[0].value)
     return found
+
+
+def test_figure_text_has_no_key_twice():
+    """A dict literal keeps the last of two equal keys silently; the first translation would be lost."""
+    import ast
+    tree = ast.parse((ROOT / 'common.py').read_text(encoding='utf-8'))
+    table = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                 and getattr(n.targets[0], 'id', None) == 'FIGURE_TEXT')
+    keys = [k.value for k in table.keys]
+    assert sorted({k for k in keys if keys.count(k) > 1}) == []
 
 
 def test_every_figure_text_in_the_notebooks_has_a_chinese_translation():
