@@ -456,6 +456,18 @@ def _alive(pid):
         return False
 
 
+def _children():
+    """This process's descendants, except multiprocessing's resource tracker (it lives on by design)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if 'resource_tracker' not in ' '.join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def _wait_until(condition, seconds):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -532,12 +544,15 @@ def test_worker_that_dies_is_named():
 
 
 def test_hanging_worker_times_out_and_leaves_no_process(tmp_path):
+    # Readiness does not matter here: on a loaded machine the 4 s may pass before a worker has
+    # even written its pid. Whatever state they reached, no process may outlive the call.
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r'rank\(s\) \[0, 1\] did not finish within 4 s'):
         common.launch(workers.report_pid_then_hang, 2, str(tmp_path), timeout=4)
     assert time.monotonic() - start < 30
     pids = [int(p.read_text()) for p in tmp_path.glob('*.pid')]
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    assert len(pids) <= 2 and not any(_alive(pid) for pid in pids)
+    assert _wait_until(lambda: not _children(), 10), _children()
 
 
 def test_bad_launch_requests_are_refused():
@@ -829,9 +844,9 @@ def test_torchrun_failure_raises_with_the_scripts_error(tmp_path):
         common.torchrun(job, nproc_per_node=2, timeout=120)
 
 
-def test_two_nodes_on_a_multi_gpu_host_see_their_own_gpus(monkeypatch):
+def test_two_nodes_on_a_multi_gpu_host_see_their_own_gpus(monkeypatch, fake_gpus):
     """On T2, two launchers must not both give LOCAL_RANK 0 the same cuda:0 (NCCL refuses)."""
-    monkeypatch.setattr(common, 'num_gpus', lambda: 4)
+    fake_gpus(4)
     monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
     assert common.node_gpus(2, 1) == ['0', '1']
     assert common.node_gpus(2, 2) == ['0,1', '2,3']
@@ -839,7 +854,7 @@ def test_two_nodes_on_a_multi_gpu_host_see_their_own_gpus(monkeypatch):
     assert common.node_gpus(3, 2) == [None, None, None]     # not a GPU for every process: leave it
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '4,5,6,7')   # the user already restricted the GPUs
     assert common.node_gpus(2, 2) == ['4,5', '6,7']
-    monkeypatch.setattr(common, 'num_gpus', lambda: 0)
+    fake_gpus(0)
     assert common.node_gpus(2, 1) == [None, None]           # CPU machines: gloo, nothing to hide
 
 
@@ -848,8 +863,10 @@ def test_torchrun_timeout_leaves_nothing_behind(tmp_path):
                             'time.sleep(600)\n')
     with pytest.raises(TimeoutError, match='did not finish within 8 s'):
         common.torchrun(job, nproc_per_node=2, timeout=8)
+    # however far torchrun got in 8 s on a loaded machine, nothing it started may survive
     pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
-    assert len(pids) == 2 and _wait_until(lambda: not any(_alive(pid) for pid in pids), 10)
+    assert len(pids) <= 2 and _wait_until(lambda: not any(_alive(pid) for pid in pids), 10)
+    assert _wait_until(lambda: not _children(), 10), _children()
 
 
 # DDP's bucketed all-reduce during backward, measured (06's timeline)
@@ -1061,13 +1078,13 @@ def test_parameter_server_step_equals_all_reduce_training(fashion_mnist):
 
 
 @pytest.mark.parametrize('role,noticed', [('worker', 'server'), ('server', 'worker')])
-def test_parameter_server_names_a_killed_process(fashion_mnist, role, noticed):
-    run = dict(PS_RUN, steps=4, fault=dict(role=role, index=1, step=2, kind='kill'))
-    start = time.monotonic()
+def test_parameter_server_names_a_killed_process(fashion_mnist, role, noticed, tmp_path):
+    stamp = tmp_path / 'fault-time'   # the delay counts from the fault, not from start-up
+    run = dict(PS_RUN, steps=4, fault=dict(role=role, index=1, step=2, kind='kill', stamp=str(stamp)))
     with pytest.raises(common.WorkerError, match=rf'\({role} 1\) exited with code -9 \(SIGKILL\)'
                                                  rf'.*noticed first.*PSFault: {noticed}'):
         common.launch(common.ps_process, 4, run, names=ROLES, timeout=60)
-    assert time.monotonic() - start < 30
+    assert time.time() - float(stamp.read_text()) < 20
 
 
 def test_parameter_server_times_out_on_a_silent_worker(fashion_mnist, tmp_path):
@@ -1140,9 +1157,10 @@ def test_s0_is_synchronous_sgd():
 
 
 def test_staleness_bound_and_straggler():
-    # One server, two workers; worker 1 sleeps 30 ms a step. Then both hiccup in turn.
-    # Small batches, so that the sleeps, not the shared cores, set the pace.
-    straggler, hiccups = {1: 0.03}, {0: [0.04, 0], 1: [0, 0.04]}
+    # One server, two workers; worker 1 sleeps 60 ms a step. Then both hiccup in turn (80 ms).
+    # Small batches and long sleeps, so that the sleeps, not the shared cores, set the pace
+    # even on a loaded 2-core machine (where a step's computation takes several times longer).
+    straggler, hiccups = {1: 0.06}, {0: [0.08, 0], 1: [0, 0.08]}
     runs = [dict(ASYNC_BASE, batch_size=32, staleness=s, slow=slow) for slow in (straggler, hiccups)
             for s in (0, 1, None)]
     results = common.launch(common.ps_in_turn, 3, runs, names=_ps_roles(1, 2), timeout=120, threads=1)

@@ -40,9 +40,22 @@ def test_animator_leaves_its_final_frame_in_an_executed_notebook(tmp_path):
         'for epoch in range(4):\n'
         '    anim.add(epoch, [1 / (epoch + 1)])\n'
         "print('done')")]
-    NotebookClient(nb, timeout=120, kernel_name='python3',
+    NotebookClient(nb, timeout=120, kernel_name='comp-perf',
                    resources={'metadata': {'path': str(tmp_path)}}).execute()
     outputs = nb.cells[0].outputs
     figures = [o for o in outputs if o.output_type == 'display_data']
     assert len(figures) == 1 and 'image/png' in figures[0].data  # updated in place, not 4 copies
     assert any(o.output_type == 'stream' and 'done' in o.text for o in outputs)
+
+
+def test_the_notebooks_ask_for_the_course_kernel_and_it_runs_this_python():
+    """One kernel: the name ./course registers is the name every notebook asks for."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    course = (ROOT / 'course').read_text()
+    assert 'KERNEL=comp-perf' in course and '--name "$KERNEL"' in course
+    names = {nbformat.read(f, as_version=4).metadata.kernelspec.name
+             for f in sorted((ROOT / 'notebooks').glob('*/*.ipynb'))}
+    assert names == {'comp-perf'}
+    spec = KernelSpecManager().get_kernel_spec('comp-perf')
+    assert Path(spec.argv[0]).resolve() == Path(sys.executable).resolve(), \
+        f'the comp-perf kernel runs {spec.argv[0]}, not this environment: run ./course setup'

@@ -36,3 +36,71 @@ def test_export_refuses_an_unknown_notebook(tmp_path):
     run = subprocess.run([str(ROOT / 'course'), 'export', 'en', '--only', 'no-such-notebook', '--out',
                           str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and 'no notebook named' in run.stderr
+
+
+def test_exported_deck_and_page_work_offline(tmp_path):
+    """A lecture hall without network: reveal.js starts, math renders, nothing is fetched from the web.
+
+    Chromium resolves no host name and has no route but loopback, so any script or style sheet
+    still pointing at a CDN fails to load. A screenshot of a slide with formulas is kept in
+    artifacts/export/.
+    """
+    from test_browser import _browser
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    chromium, driver = _browser()
+    name = '07-parameter-servers'
+    run = subprocess.run([str(ROOT / 'course'), 'export', 'en', '--only', name, '--out', str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--window-size=1280,800',
+                '--host-resolver-rules=MAP * ~NOTFOUND', '--proxy-server=http://127.0.0.1:9',
+                '--proxy-bypass-list=<-loopback>', '--allow-file-access-from-files'):
+        options.add_argument(arg)
+    browser = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        browser.execute_cdp_cmd('Network.enable', {})
+        browser.execute_cdp_cmd('Network.emulateNetworkConditions', {
+            'offline': True, 'latency': 0, 'downloadThroughput': 0, 'uploadThroughput': 0})
+        shots = ROOT / 'artifacts' / 'export'
+        shots.mkdir(parents=True, exist_ok=True)
+        for kind, path in (('deck', tmp_path / 'en' / 'slides' / f'{name}.slides.html'),
+                           ('page', tmp_path / 'en' / 'html' / f'{name}.html')):
+            browser.get(path.as_uri())
+            if kind == 'deck':
+                _until(browser, "return document.querySelector('.reveal.ready') !== null", 60,
+                       'reveal.js to start (the .reveal element gets the class "ready")', shots)
+            _until(browser, "return [...document.querySelectorAll('.MathJax')].some(m => m.offsetWidth > 0"
+                            " || m.closest('section'))", 60, 'MathJax to typeset the formulas', shots)
+            if kind == 'deck':   # show the first slide with a formula
+                browser.execute_script(   # reveal.js came through require.js: navigate by the URL
+                    "const s = document.querySelector('.reveal .slides .MathJax')"
+                    ".closest('section'); const up = s.parentElement;"
+                    "const [h, v] = up.matches('.slides') ? [[...up.children].indexOf(s), 0]"
+                    " : [[...up.parentElement.children].indexOf(up), [...up.children].indexOf(s)];"
+                    "location.hash = '#/' + h + '/' + v;")
+                time.sleep(1)
+            browser.save_screenshot(str(shots / f'en-{name}-{kind}-offline.png'))
+            fetched = browser.execute_script(
+                "return performance.getEntriesByType('resource').map(e => e.name)")
+            assert all(url.startswith('file:') for url in fetched), \
+                [url for url in fetched if not url.startswith('file:')]
+            missing = [e['message'] for e in browser.get_log('browser')
+                       if 'Failed to load resource' in e['message'] and not e['message'].startswith('about:')]
+            assert not missing, missing   # every asset the page asked for was there
+    finally:
+        browser.quit()
+
+
+def _until(browser, condition, seconds, what, shots):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if browser.execute_script(condition):
+            return
+        time.sleep(0.5)
+    shot = shots / f'failed-{int(time.time())}.png'
+    browser.save_screenshot(str(shot))
+    raise AssertionError(f'gave up after {seconds} s waiting for {what}; screenshot {shot}; console: '
+                         f'{[e["message"][:200] for e in browser.get_log("browser")][:5]}')

@@ -7,12 +7,18 @@ The decks and pages show the outputs stored in the notebooks (one clean run on
 the CI machine), so nothing is re-executed and a long cell costs nothing here.
 Each deck follows the cells' slide metadata (see tools/nbpair.py) and lets a
 slide scroll if it is still too tall. Written: <out>/<lang>/slides/NAME.slides.html,
-<out>/<lang>/html/NAME.html and <out>/<lang>/index.html linking them all.
-The pages fetch reveal.js, MathJax and the widget manager from the web when
-opened; to present offline, use JupyterLab's own slideshow (RISE, installed).
+<out>/<lang>/html/NAME.html, <out>/<lang>/index.html linking them all, and
+<out>/<lang>/assets/ with everything they load: reveal.js 5 (bundled by the
+PyPI package sphinx-revealjs), require.js, jQuery and MathJax 2 (bundled by
+nbclassic). Nothing comes from the network, so <out>/<lang> can be copied to a
+USB stick and opened in a lecture hall without internet. Sliders need a running
+kernel: in the exported files they are left out (their cells also draw a
+static figure).
 """
 import argparse
 import html
+import importlib.util
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,10 +31,43 @@ TITLES = {'en': 'Computational Performance: slides and pages',
           'zh': '计算性能：幻灯片与网页'}
 
 
+TEMPLATES = Path(__file__).resolve().parent / 'templates'   # offline_reveal, offline_lab
+# Where each asset comes from: (package, path inside it, name under assets/).
+ASSETS = [('sphinx_revealjs', '_static/revealjs/dist', 'reveal.js/dist'),
+          ('sphinx_revealjs', '_static/revealjs/plugin/notes', 'reveal.js/plugin/notes'),
+          ('nbclassic', 'static/components/requirejs/require.js', 'require.js'),
+          ('nbclassic', 'static/components/jquery/jquery.min.js', 'jquery.min.js'),
+          ('nbclassic', 'static/components/MathJax', 'MathJax')]
+MATHJAX_CONFIG = 'TeX-AMS-MML_HTMLorMML-full,Safe'     # the configuration nbclassic's MathJax ships
+
+
+def copy_assets(folder):
+    """Copy reveal.js, require.js, jQuery and MathJax from installed packages into folder/assets."""
+    for package, inside, name in ASSETS:
+        spec = importlib.util.find_spec(package)   # finds the package without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(f'{package} is not installed, so the decks could not work offline; '
+                             f'run ./course setup (it installs requirements.txt).')
+        source = Path(spec.submodule_search_locations[0]) / inside
+        target = folder / 'assets' / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        else:
+            shutil.copy2(source, target)
+
+
 def exporters():
     from nbconvert import HTMLExporter, SlidesExporter
     from traitlets.config import Config
     config = Config()
+    for exporter in ('HTMLExporter', 'SlidesExporter'):   # every script from ../assets/, none from the web
+        config[exporter].require_js_url = '../assets/require.js'
+        config[exporter].jquery_url = '../assets/jquery.min.js'
+        config[exporter].mathjax_url = f'../assets/MathJax/MathJax.js?config={MATHJAX_CONFIG}'
+        config[exporter].extra_template_basedirs = [str(TEMPLATES)]
+    config.SlidesExporter.reveal_url_prefix = '../assets/reveal.js'
+    config.SlidesExporter.reveal_theme = 'white'     # its fonts ship with reveal.js ('simple' loads Google's)
     config.SlidesExporter.reveal_scroll = True        # a tall slide scrolls instead of spilling
     config.SlidesExporter.reveal_number = 'c/t'       # slide numbers, for "go back to slide 12"
     config.SlidesExporter.reveal_transition = 'none'
@@ -36,7 +75,8 @@ def exporters():
     config.SlidesExporter.reveal_height = '800'
     config.SlidesExporter.exclude_input_prompt = True
     config.SlidesExporter.exclude_output_prompt = True
-    return HTMLExporter(config=config, template_name='lab'), SlidesExporter(config=config)
+    return (HTMLExporter(config=config, template_name='offline_lab'),
+            SlidesExporter(config=config, template_name='offline_reveal'))
 
 
 def export(lang, out, only=None):
@@ -53,6 +93,7 @@ def export(lang, out, only=None):
     folder = Path(out) / lang
     (folder / 'html').mkdir(parents=True, exist_ok=True)
     (folder / 'slides').mkdir(parents=True, exist_ok=True)
+    copy_assets(folder)
     written, rows = [], []
     for name in names:
         nb = nbformat.read(NOTEBOOKS / lang / f'{name}.ipynb', as_version=4)
@@ -77,8 +118,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     start = time.perf_counter()
     files = export(args.lang, args.out, args.only)
-    print(f'wrote {len(files)} files to {Path(args.out) / args.lang} in {time.perf_counter() - start:.1f} s; '
-          f'open {Path(args.out) / args.lang / "index.html"}')
+    print(f'wrote {len(files)} files and their assets to {Path(args.out) / args.lang} in '
+          f'{time.perf_counter() - start:.1f} s; open {Path(args.out) / args.lang / "index.html"} '
+          f'(works offline: the folder can be copied as it is)')
     return 0
 
 

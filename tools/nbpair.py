@@ -82,11 +82,17 @@ def strip_comments(src):
         return src  # IPython syntax (%magic, !cmd): compare as written
 
 
+# The course's kernel, registered by ./course inside .venv: a notebook that asks for it runs the
+# course's Python in JupyterLab, VS Code or nbval alike.
+KERNELSPEC = {'name': 'comp-perf', 'display_name': 'Python (计算性能 · Computational Performance)',
+              'language': 'python'}
+
+
 def make_notebook(cells, lang):
     """An unexecuted nbformat notebook for one language."""
     nb = nbformat.v4.new_notebook()
     nb.metadata = {
-        'kernelspec': {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'},
+        'kernelspec': KERNELSPEC,
         'language_info': {'name': 'python'},
     }
     for i, cell in enumerate(cells):
@@ -179,7 +185,7 @@ def build(src, execute=True, timeout=600):
         path.parent.mkdir(parents=True, exist_ok=True)
         if execute:
             t = time.perf_counter()
-            NotebookClient(nb, timeout=timeout, kernel_name='python3',
+            NotebookClient(nb, timeout=timeout, kernel_name=KERNELSPEC['name'],
                            resources={'metadata': {'path': str(path.parent)}}).execute()
             print(f'{path.relative_to(ROOT)}: executed in {time.perf_counter() - t:.1f} s')
         notebooks.append(nb)
