@@ -1,4 +1,5 @@
 """`import common` works outside the repo, under torchrun, and the live plot in a notebook."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,22 @@ def test_the_notebooks_ask_for_the_course_kernel_and_it_runs_this_python():
     spec = KernelSpecManager().get_kernel_spec('comp-perf')
     assert Path(spec.argv[0]).resolve() == Path(sys.executable).resolve(), \
         f'the comp-perf kernel runs {spec.argv[0]}, not this environment: run ./course setup'
+
+
+def test_every_requirement_is_used_by_the_course():
+    """requirements.txt lists only what the course (or a package it uses) needs: each package's
+    import name appears in the course's own files, or it is one of the few used without an import."""
+    import importlib.metadata
+    without_import = {'jupyterlab-rise': 'a JupyterLab extension: View > Render as Reveal Slideshow'}
+    own = '\n'.join(f.read_text(encoding='utf-8') for f in
+                    [ROOT / 'common.py', ROOT / 'course', *ROOT.glob('tools/*.py'), *ROOT.glob('notebooks/src/*.txt')])
+    modules = {}
+    for module, dists in importlib.metadata.packages_distributions().items():
+        for dist in dists:
+            modules.setdefault(dist.lower().replace('_', '-'), []).append(module)
+    for line in (ROOT / 'requirements.txt').read_text().splitlines():
+        name = re.split(r'[<>=\[ ]', line.strip(), maxsplit=1)[0].lower()
+        if not name or name.startswith('#') or name in without_import:
+            continue
+        names = modules.get(name, [name.replace('-', '_')])
+        assert any(re.search(rf'\b{re.escape(m)}\b', own) for m in names), f'{name} ({names}) is never used'
