@@ -39,6 +39,20 @@ def _browser():
     return chromium, driver
 
 
+def wait_for_lab(server, url, token, log, seconds):
+    """Return once the JupyterLab `server` answers at url; fail with the end of its log if it dies or is late."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if requests.get(f'{url}/api/status', params={'token': token}, timeout=2).ok:
+                return
+        except requests.ConnectionError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            pytest.fail('JupyterLab did not start:\n' + Path(log).read_text()[-3000:])
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope='module')
 def lab(tmp_path_factory):
     """A JupyterLab server on a copy of the notebooks; yields (url, token)."""
@@ -63,16 +77,7 @@ def lab(tmp_path_factory):
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f'http://127.0.0.1:{port}'
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if requests.get(f'{url}/api/status', params={'token': token}, timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail('JupyterLab did not start:\n' + (home / 'lab.log').read_text()[-3000:])
-            time.sleep(0.5)
+        wait_for_lab(server, url, token, home / 'lab.log', 90)
         yield url, token
     finally:
         common.stop_process_tree(server)

@@ -844,6 +844,22 @@ def test_torchrun_failure_raises_with_the_scripts_error(tmp_path):
         common.torchrun(job, nproc_per_node=2, timeout=120)
 
 
+def test_06_adds_a_run_on_every_gpu_only_on_t2(fake_gpus):
+    """06's choice of process counts, read from its source and run with a faked GPU count."""
+    from types import SimpleNamespace
+    sys.path.insert(0, str(ROOT / 'tools'))
+    import nbpair
+    src = next(f for f in nbpair.sources() if f.name.startswith('06'))
+    line = next(row for c in nbpair.parse(src) if c['type'] == 'code'
+                for row in c['en'].splitlines() if row.startswith('counts = '))
+    for gpus, backend, expected in [(0, 'gloo', [1, 2]), (1, 'gloo', [1, 2]), (2, 'nccl', [1, 2]),
+                                    (8, 'nccl', [1, 2, 8]), (8, 'gloo', [1, 2])]:
+        fake_gpus(gpus)
+        namespace = {'common': common, 'cfg': SimpleNamespace(backend=backend)}
+        exec(line, namespace)
+        assert namespace['counts'] == expected, (gpus, backend)
+
+
 def test_two_nodes_on_a_multi_gpu_host_see_their_own_gpus(monkeypatch, fake_gpus):
     """On T2, two launchers must not both give LOCAL_RANK 0 the same cuda:0 (NCCL refuses)."""
     fake_gpus(4)

@@ -4,13 +4,13 @@ import os
 import secrets
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
 import common
+from test_browser import wait_for_lab
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,18 +30,7 @@ def _open_course(tmp_path, prefix=()):
              f'--IdentityProvider.token={token}'],
             cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    answer = requests.get(f'http://127.0.0.1:{port}/api/status', params={'token': token},
-                                          timeout=2)
-                    if answer.ok:
-                        break
-                except requests.ConnectionError:
-                    pass
-                if lab.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail('./course lab did not open JupyterLab:\n' + log_path.read_text()[-3000:])
-                time.sleep(0.5)
+            wait_for_lab(lab, f'http://127.0.0.1:{port}', token, log_path, 180)
             # the server really serves the course: the notebooks folder is its root
             contents = requests.get(f'http://127.0.0.1:{port}/api/contents/en', params={'token': token},
                                     timeout=10).json()

@@ -45,7 +45,7 @@ def test_exported_deck_and_page_work_offline(tmp_path):
     still pointing at a CDN fails to load. A screenshot of a slide with formulas is kept in
     artifacts/export/.
     """
-    from test_browser import _browser
+    from test_browser import _browser, _wait
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     chromium, driver = _browser()
@@ -70,10 +70,10 @@ def test_exported_deck_and_page_work_offline(tmp_path):
                            ('page', tmp_path / 'en' / 'html' / f'{name}.html')):
             browser.get(path.as_uri())
             if kind == 'deck':
-                _until(browser, "return document.querySelector('.reveal.ready') !== null", 60,
-                       'reveal.js to start (the .reveal element gets the class "ready")', shots)
-            _until(browser, "return [...document.querySelectorAll('.MathJax')].some(m => m.offsetWidth > 0"
-                            " || m.closest('section'))", 60, 'MathJax to typeset the formulas', shots)
+                _wait(browser, "return document.querySelector('.reveal.ready') !== null", 60,
+                      'reveal.js to start (the .reveal element gets the class "ready")')
+            _wait(browser, "return [...document.querySelectorAll('.MathJax')].some(m => m.offsetWidth > 0"
+                           " || m.closest('section'))", 60, 'MathJax to typeset the formulas')
             if kind == 'deck':   # show the first slide with a formula
                 browser.execute_script(   # reveal.js came through require.js: navigate by the URL
                     "const s = document.querySelector('.reveal .slides .MathJax')"
@@ -93,14 +93,3 @@ def test_exported_deck_and_page_work_offline(tmp_path):
     finally:
         browser.quit()
 
-
-def _until(browser, condition, seconds, what, shots):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if browser.execute_script(condition):
-            return
-        time.sleep(0.5)
-    shot = shots / f'failed-{int(time.time())}.png'
-    browser.save_screenshot(str(shot))
-    raise AssertionError(f'gave up after {seconds} s waiting for {what}; screenshot {shot}; console: '
-                         f'{[e["message"][:200] for e in browser.get_log("browser")][:5]}')
