@@ -10,8 +10,8 @@ with the sections that use it ("Used in: ..."). The map:
   language               all     say, tr, cjk_font: text and figures in the notebook's language
   devices and tiers      00      num_gpus, try_gpu, gpu, try_all_gpus, detect_tier,
                                  environment_report
-  settings by hardware   01-07   settings: one visible place per notebook, overridable
-  worker processes       00, 05-07
+  settings by hardware   01-08   settings: one visible place per notebook, overridable
+  worker processes       00, 05-08
                                  launch (gloo unless the caller asks for NCCL), worker_device,
                                  WorkerError, allreduce_check, free_port, torchrun,
                                  stop_process_tree
@@ -19,7 +19,7 @@ with the sections that use it ("Used in: ..."). The map:
   measuring              01-05   synchronize, Timer, Benchmark, measure, verdict,
                                  text, full_fp32, step_difference, step_tolerance,
                                  quiet_native_stderr
-  pictures               02, 03, 07   plot_timeline, show_source
+  pictures               02, 03, 07, 08   plot_timeline, show_source
   data                   00, 05-07    find_fashion_mnist, fashion_mnist_datasets,
                                       load_data_fashion_mnist, FASHION_LABELS, clear_cache
   training               05, 06  accuracy, evaluate_accuracy, Animator, sgd
@@ -30,6 +30,10 @@ with the sections that use it ("Used in: ..."). The map:
   parameter servers      07      sync_time, ps_time, hierarchical_time, sync_calculator,
                                  ring_allreduce, ring_check, comm_benchmark, fit_alpha_beta,
                                  ring_model, KVStore, shard_keys, ps_process
+  beyond data parallelism 08     zero_memory, training_memory, saved_activation_bytes,
+                                 memory_calculator, sharded_training, count_collectives,
+                                 ring_bytes, tensor_parallel_check, pipeline_run,
+                                 bubble_fraction, measured_bubble
 """
 import ast
 import contextlib
@@ -55,6 +59,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -442,6 +447,59 @@ FIGURE_TEXT = {
     '{s:.0f} MB, NVLink inside machines, {b:.0f} GB/s network':
         '{s:.0f} MB，机器内 NVLink，网络 {b:.0f} GB/s',
     'training loss (worker 0)': '训练损失（工作节点 0）',
+    # 08: memory, sharded, tensor and pipeline parallelism
+    'CPU cores: {c}; each experiment below runs {n} CPU processes over gloo':
+        'CPU 核心数：{c}；下面的每个实验都运行 {n} 个通过 gloo 连接的 CPU 进程',
+    '{n:,} parameters, batch {b}; bytes:': '{n:,} 个参数，批量大小 {b}；字节数：',
+    'measured': '测量值', 'formula': '公式', 'total': '合计',
+    'parameters': '参数', 'gradients': '梯度', 'optimizer state': '优化器状态', 'activations': '激活值',
+    'every part is within 0.1 % of its formula': '每一部分与公式的偏差都在 0.1% 以内',
+    'stage {s}: {ours:7.3f} GB per GPU (paper: {gb} GB)': '阶段 {s}：每块 GPU {ours:7.3f} GB（论文：{gb} GB）',
+    'ZeRO stage {s}': 'ZeRO 阶段 {s}', '80 GB device': '80 GB 的设备', 'ranks N': 'rank 数 N',
+    'GB per rank': '每个 rank 的 GB 数',
+    '7.5B parameters, Adam, bf16 mixed precision': '75 亿参数，Adam，bf16 混合精度',
+    '{k} trainings on {n} processes took {t:.1f} s': '在 {n} 个进程上进行 {k} 次训练，用时 {t:.1f} 秒',
+    'largest difference from DDP, over every rank and step: {d:.1e}':
+        '所有 rank 和所有步中与 DDP 的最大差值：{d:.1e}',
+    'rank {r}, measured': 'rank {r}，测量值', '{mode}: ZeRO stage {s}': '{mode}：ZeRO 阶段 {s}',
+    'largest ZeRO-1 share over the formula': 'ZeRO-1 中最大的份额与公式之比',
+    'the shares are even': '各份额是均匀的',
+    'uneven shares: whole tensors go to one rank each': '份额不均匀：每个完整的张量只分给一个 rank',
+    'counted collectives': '统计到的集合通信', 'sent per rank (ring)': '每个 rank 的发送量（环形）',
+    'step time': '每步耗时',
+    'FSDP step time over DDP step time': 'FSDP 与 DDP 每步耗时之比',
+    'no visible cost: the extra all-gathers hide behind the computation':
+        '看不出代价：额外的 all-gather 隐藏在计算背后',
+    'FSDP is slower here: its extra collectives and copies are not hidden':
+        '这里 FSDP 更慢：它额外的集合通信和复制没有被隐藏',
+    "07's example: DDP {a:.1f} ms, FSDP {b:.1f} ms of communication per step":
+        '第 07 节的例子：每步的通信时间，DDP {a:.1f} ms，FSDP {b:.1f} ms',
+    'partial {i}': '部分和 {i}', 'split by columns': '按列切分', 'split by rows': '按行切分',
+    'Megatron MLP block on {n} ranks: colour = rank': '{n} 个 rank 上的 Megatron MLP 块：颜色表示 rank',
+    'columns then rows: largest difference {d:.1e}': '先按列、再按行：最大差值 {d:.1e}',
+    'rows first, GELU on partial sums: largest difference {d:.1e}':
+        '先按行切分，对部分和做 GELU：最大差值 {d:.1e}',
+    'first': '第一个', 'second': '第二个',
+    '{name} Linear: weight {whole} split into {local} on each rank':
+        '{name}线性层：权重 {whole} 切分为每个 rank 上的 {local}',
+    'collectives: forward {f}, backward {b}': '集合通信：前向 {f}，反向 {b}',
+    'largest relative difference from the unsplit block: {d:.1e}': '与未切分的块相比，最大相对差值：{d:.1e}',
+    '{k} schedules on {n} stages took {t:.1f} s': '在 {n} 个阶段上运行 {k} 种调度，用时 {t:.1f} 秒',
+    'largest relative difference from the unsplit model: {d:.1e}': '与未切分的模型相比，最大相对差值：{d:.1e}',
+    'stage {r}': '阶段 {r}', 'schedule': '调度', 'held': '同时保存',
+    'formula (p-1)/(m+p-1)': '公式 (p-1)/(m+p-1)', 'measured, GPipe': '测量值，GPipe', 'measured, 1F1B': '测量值，1F1B',
+    'micro-batches m': '微批量数 m', 'idle fraction': '空闲比例', '{p} stages': '{p} 个阶段',
+    'idle fraction at m=1 over the formula': 'm=1 时空闲比例与公式之比',
+    'below the formula: the stages overlapped more than the schedule allows':
+        '低于公式：各阶段的重叠超出了调度所允许的程度',
+    'the formula predicts the one-micro-batch pipeline': '公式准确预测了只有一个微批量的流水线',
+    'above the formula: hand-overs between the stages cost time': '高于公式：阶段之间的交接花费了时间',
+    'idle fraction at m={m} over the formula': 'm={m} 时空闲比例与公式之比',
+    'the formula holds with many micro-batches too': '微批量很多时公式同样成立',
+    'above the formula: every micro-batch pays a hand-over the formula leaves out':
+        '高于公式：每个微批量都要付出一次公式没有计入的交接开销',
+    'activations held at once with m={m}: GPipe {g} micro-batches, 1F1B {o}':
+        'm={m} 时同时保存激活值的微批量数：GPipe {g} 个，1F1B {o} 个',
 }
 
 # Fonts that cover Chinese, best first: Linux packages, then Windows and macOS.
@@ -494,7 +552,7 @@ def tr(text, **fields):
     In Chinese notebooks the text is looked up in FIGURE_TEXT and the figure
     font gains Chinese glyphs. Without a Chinese font the text stays English
     (a one-time notice says how to install one), so no figure shows boxes.
-    Used in: 00-07 (every figure).
+    Used in: 00-08 (every figure).
     """
     out = text
     if course_language() == 'zh' and text in FIGURE_TEXT:
@@ -722,7 +780,7 @@ def settings(**per_tier):
     COURSE_SETTINGS="T0,epochs=3"; each value must have the type the notebook
     uses for that key. The printed line says which tier's settings were used
     and, only when there was one, what the override changed.
-    Used in: 01-07 (first code cell).
+    Used in: 01-08 (first code cell).
     """
     if 'T0' not in per_tier or set(per_tier) - set(TIER_TEXT):
         raise ValueError('settings() needs T0=dict(...) and accepts only T0..T3.')
@@ -789,7 +847,7 @@ def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_
     is 30 minutes); `names` labels the ranks in error messages, e.g. 'worker 1'.
     Workers are daemon processes, so they cannot start DataLoader worker
     processes of their own (num_workers must stay 0 inside fn).
-    Used in: 00, 05, 07.
+    Used in: 00, 05, 07, 08.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f'world_size must be a whole number >= 1, got {world_size!r}.')
@@ -1206,7 +1264,7 @@ def text(message):
 
     English is looked up in FIGURE_TEXT, so code cells stay the same, and free
     of Chinese, in both languages; an (English, Chinese) pair works too.
-    Used in: 01, 02, 03, and by verdict() and sync_calculator().
+    Used in: 01, 02, 03, 08, and by verdict(), sync_calculator() and memory_calculator().
     """
     if isinstance(message, (tuple, list)):
         return say(*message)
@@ -1242,7 +1300,7 @@ def verdict(what, value, cases, unit='×', digits=2, shown=None):
         # Verdict: compile/eager at batch 1: 0.64× → compile is slower: overhead-bound
 
     The prose then explains the cases and points at the verdict, so it never
-    has to copy a number from one particular run. Used in: 01-07.
+    has to copy a number from one particular run. Used in: 01-08.
     """
     if not cases:
         raise ValueError('verdict() needs at least one case.')
@@ -1449,7 +1507,7 @@ def show_source(obj):
     """Show the source code of a function or class from common.py, highlighted in a notebook.
 
     For code a section teaches that must live in an importable file (a
-    worker process's entry point). Used in: 05, 07.
+    worker process's entry point). Used in: 05, 07, 08.
     """
     code = inspect.getsource(obj)
     try:
@@ -2057,7 +2115,7 @@ def sync_time(strategy, size_bytes, devices, bandwidth, links=1):
       split - cut into n parts, each summed on a different device at once: 2(n-1)·(s/n)/b
       ring  - reduce-scatter then all-gather round a ring of `links` parallel rings:
               2(n-1)/n · s/(links·b), which barely grows with n
-    Used in: 07.
+    Used in: 07, 08.
     """
     n = devices
     if strategy not in SYNC_STRATEGIES:
@@ -2726,3 +2784,416 @@ def ps_in_turn(rank, world_size, runs):
         dist.barrier()
         out.append((ps_async_process if 'staleness' in run else ps_process)(rank, world_size, run))
     return out
+
+
+# ------------------------------------- 08: memory, sharded, tensor and pipeline parallelism
+# Every worker below runs on CPU processes over gloo (launch's default): 08 uses
+# no GPU code path. On GPUs the same calls run over NCCL (see 08's last part).
+
+PRECISIONS = {  # bytes per parameter: (weights, gradients, Adam's state)
+    'fp32': (4, 4, 8),          # fp32 weights and gradients; Adam's m and v in fp32
+    'bf16 mixed': (2, 2, 12),   # bf16 weights and gradients; fp32 master weights, m and v
+}
+ZERO_SHARDS = {  # which of (weights, gradients, optimiser state) each ZeRO stage shards
+    0: (False, False, False), 1: (False, False, True), 2: (False, True, True), 3: (True, True, True)}
+MEMORY_PARTS = ('parameters', 'gradients', 'optimizer state')
+
+
+def zero_memory(params, ranks=1, stage=0, precision='bf16 mixed'):
+    """Bytes per rank of weights, gradients and Adam's state, by ZeRO stage (a dict).
+
+    Stage 0 is plain data parallelism (everything replicated); stage 1 shards
+    the optimiser state over the ranks, stage 2 also the gradients, stage 3
+    also the weights (FSDP). precision is a key of PRECISIONS. Activations are
+    not included: they depend on batch and sequence, and no ZeRO stage shards
+    them. Used in: 08.
+    """
+    if not params > 0 or isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f'need params > 0 and a whole number of ranks >= 1, got {params!r}, {ranks!r}.')
+    if stage not in ZERO_SHARDS:
+        raise ValueError(f'ZeRO stage must be 0, 1, 2 or 3, got {stage!r}.')
+    if precision not in PRECISIONS:
+        raise ValueError(f'precision must be one of {sorted(PRECISIONS)}, got {precision!r}.')
+    return {part: per_param * params / (ranks if sharded else 1)
+            for part, per_param, sharded in zip(MEMORY_PARTS, PRECISIONS[precision], ZERO_SHARDS[stage])}
+
+
+def local_bytes(tensors):
+    """Bytes of memory that these tensors occupy in this process, each storage counted once.
+
+    A DTensor (a parameter of fully_shard or parallelize_module) counts its local
+    shard only; None entries (no gradient yet) count nothing. Used in: 08.
+    """
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, 'to_local') else t
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def training_memory(model, optimizer):
+    """Measured bytes of parameters, gradients and optimiser state in this process (a dict).
+
+    Call it after optimizer.step() and before zero_grad(). The optimiser
+    state includes Adam's one-number step counters. Used in: 08.
+    """
+    optimizer = getattr(optimizer, 'optim', optimizer)  # ZeroRedundancyOptimizer: the local part
+    params = list(model.parameters())
+    return {'parameters': local_bytes(params),
+            'gradients': local_bytes(p.grad for p in params),
+            'optimizer state': local_bytes(t for s in optimizer.state.values() for t in s.values()
+                                           if torch.is_tensor(t))}
+
+
+def saved_activation_bytes(fn, *args, exclude=()):
+    """(result, bytes): run fn(*args) and count what autograd saves for the backward pass.
+
+    Tensors in `exclude` (the parameters, which are counted as weights) and
+    repeated storages count once or not at all. Used in: 08.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = set()
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip and ptr not in seen:
+            seen.add(ptr)
+            sizes.append(t.untyped_storage().nbytes())
+        return t
+
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn(*args)
+    return result, sum(sizes)
+
+
+def memory_calculator(params_b=7.5, ranks=64, stage=3, precision='bf16 mixed', device_gb=80):
+    """An ipywidgets calculator: sliders for zero_memory's inputs, a bar per part and a verdict.
+
+    Used in: 08.
+    """
+    import ipywidgets as widgets
+    style = {'description_width': '13em'}
+    n = widgets.FloatLogSlider(value=params_b, base=10, min=-1, max=3, step=0.05, style=style,
+                               description=say('parameters (billions)', '参数量（十亿）'))
+    k = widgets.IntSlider(value=ranks, min=1, max=1024, style=style, description=say('ranks', 'rank 数'))
+    z = widgets.IntSlider(value=stage, min=0, max=3, style=style, description=say('ZeRO stage', 'ZeRO 阶段'))
+    p = widgets.Dropdown(options=list(PRECISIONS), value=precision, style=style,
+                         description=say('precision', '精度'))
+    d = widgets.FloatSlider(value=device_gb, min=8, max=192, step=8, style=style,
+                            description=say('memory per device (GB)', '每个设备的显存（GB）'))
+    table = widgets.HTML()
+
+    def update(_=None):
+        parts = zero_memory(n.value * 1e9, k.value, z.value, p.value)
+        total = sum(parts.values())
+        longest = max(total, d.value * 1e9)
+        rows = ''.join(
+            f'<tr><td style="text-align:left">{text(name)}</td><td>{b / 1e9:,.2f} GB</td>'
+            f'<td style="text-align:left"><div style="background:#4c72b0;height:0.9em;'
+            f'width:{max(1, round(240 * b / longest))}px"></div></td></tr>' for name, b in parts.items())
+        room = d.value * 1e9 - total
+        line = (say(f'{room / 1e9:,.1f} GB left for activations and buffers',
+                    f'还剩 {room / 1e9:,.1f} GB 留给激活值和缓冲区') if room > 0 else
+                say(f'does not fit: {-room / 1e9:,.1f} GB too much', f'放不下：超出 {-room / 1e9:,.1f} GB'))
+        table.value = (f'<table>{rows}<tr><td style="text-align:left"><b>{text("total")}</b></td>'
+                       f'<td><b>{total / 1e9:,.2f} GB</b></td><td style="text-align:left">{line}</td>'
+                       '</tr></table>')
+
+    for w in (n, k, z, p, d):
+        w.observe(update, names='value')
+    update()
+    return widgets.VBox([n, k, z, p, d, table])
+
+
+def count_collectives(comm_mode):
+    """{'all-reduce': 1, ...}: the collectives a torch.distributed.tensor.debug.CommDebugMode saw.
+
+    Used in: 08.
+    """
+    names = (('reduce_scatter', 'reduce-scatter'), ('allgather', 'all-gather'), ('all_gather', 'all-gather'),
+             ('allreduce', 'all-reduce'), ('all_reduce', 'all-reduce'), ('broadcast', 'broadcast'))
+    out = {}
+    for op, count in comm_mode.get_comm_counts().items():
+        name = next((label for key, label in names if key in str(op)), str(op))
+        out[name] = out.get(name, 0) + count
+    return out
+
+
+def ring_bytes(collective, size_bytes, n):
+    """Bytes each of n ranks sends in a ring all-reduce, all-gather or reduce-scatter of size_bytes.
+
+    A ring all-reduce is a reduce-scatter followed by an all-gather (07):
+    each half sends (n-1)/n of the data. Used in: 08.
+    """
+    steps = {'all-reduce': 2, 'all-gather': 1, 'reduce-scatter': 1}
+    if collective not in steps or n < 1:
+        raise ValueError(f'collective must be one of {sorted(steps)}, and n >= 1.')
+    return steps[collective] * (n - 1) / n * size_bytes
+
+
+def mlp(widths, seed=0):
+    """Linear layers of the given widths with ReLU between them, initialised from `seed`.
+
+    mlp([256, 512, 10]) is Linear(256, 512), ReLU, Linear(512, 10). Used in: 08.
+    """
+    torch.manual_seed(seed)
+    layers = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers += [torch.nn.Linear(a, b)] + ([torch.nn.ReLU()] if i < len(widths) - 2 else [])
+    return torch.nn.Sequential(*layers)
+
+
+def teacher_batches(steps, batch_size, d_in, classes, seed=0):
+    """`steps` batches (x, y) of a synthetic task: y is the best class of a fixed random linear map.
+
+    Every process that calls it with the same arguments gets the same batches.
+    Used in: 08.
+    """
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(d_in, classes, generator=g)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(batch_size, d_in, generator=g)
+        out.append((x, (x @ teacher).argmax(1)))
+    return out
+
+
+def sharded_training(rank, world_size, run):
+    """Worker for launch(): one model and one data stream trained with DDP, ZeRO-1 and fully_shard.
+
+    `run` has widths (of common.mlp), batch_size (global), steps, lr, modes (from
+    'ddp', 'zero1', 'fsdp', 'fsdp, no reshard') and count_step. Every mode starts
+    from the same initial weights (seed run['seed'], or seed + rank when
+    run['seed_by_rank'] is set, the bug a test plants) and sees the same batches;
+    each rank trains on its half of every batch. Returns, per mode, this rank's
+    losses, the measured bytes of parameters, gradients and optimiser state after
+    the last step, the collectives of step count_step, and the median step time.
+    Used in: 08.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.tensor.debug import CommDebugMode
+    # fully_shard warns that its output is a view, in case the caller changes it in place; we never do
+    warnings.filterwarnings('ignore', message='FSDP2-wrapped module')
+    batches = teacher_batches(run['steps'], run['batch_size'], run['widths'][0], run['widths'][-1])
+    seed = run.get('seed', 0) + (rank if run.get('seed_by_rank') else 0)
+    out = {}
+    for mode in run['modes']:
+        model = mlp(run['widths'], seed)
+        if mode in ('ddp', 'zero1'):
+            model = DDP(model)                       # broadcasts rank 0's weights to every rank
+        elif mode in ('fsdp', 'fsdp, no reshard'):
+            keep = mode == 'fsdp, no reshard'        # keep gathered weights from forward to backward
+            for layer in model[:-1]:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, reshard_after_forward=not keep)   # one unit per layer
+            fully_shard(model, reshard_after_forward=not keep)           # the root: the last layer
+        else:
+            raise ValueError(f"unknown mode {mode!r}: use 'ddp', 'zero1', 'fsdp' or 'fsdp, no reshard'.")
+        if mode == 'zero1':
+            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=run['lr'])
+        else:
+            opt = torch.optim.Adam(model.parameters(), lr=run['lr'])
+        losses, times, counts, memory = [], [], {}, None
+        for step, (x, y) in enumerate(batches):
+            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]   # this rank's half
+            counting = step == run['count_step']
+            comm = CommDebugMode() if counting else contextlib.nullcontext()
+            dist.barrier()
+            start = time.perf_counter()
+            with comm:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+            times.append(time.perf_counter() - start)
+            if counting:
+                counts = count_collectives(comm)
+            if step == len(batches) - 1:
+                memory = training_memory(model, opt)
+            opt.zero_grad()
+            losses.append(loss.item())
+        timed = [t for i, t in enumerate(times) if i >= 2 and i != run['count_step']] or times
+        out[mode] = dict(losses=losses, memory=memory, collectives=counts,
+                         step_time=float(np.median(timed)))
+    return out
+
+
+def mlp_block(d, hidden, seed=0):
+    """A transformer's MLP block: Linear(d, hidden), GELU, Linear(hidden, d). Used in: 08."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, d))
+
+
+def tensor_parallel_check(rank, world_size, run):
+    """Worker for launch(): an MLP block split Megatron-style over the ranks, against the unsplit block.
+
+    `run` has d, hidden, batch_size and seed (seed_by_rank plants a bug: each
+    rank starts from different weights). The first Linear is split by columns
+    (each rank computes hidden/world_size of the hidden units, GELU included),
+    the second by rows (each rank adds its part of every output). Returns the
+    largest differences from the unsplit block (output, input gradient, weight
+    gradients), the collectives of forward and backward, and the local shapes.
+    Used in: 08.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh('cpu', (world_size,))
+    seed = run.get('seed', 0) + (rank if run.get('seed_by_rank') else 0)
+    block, reference = mlp_block(run['d'], run['hidden'], seed), mlp_block(run['d'], run['hidden'], seed)
+    parallelize_module(block, mesh, {'0': ColwiseParallel(), '2': RowwiseParallel()})
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(run['batch_size'], run['d'], generator=g)
+    x_split, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with CommDebugMode() as forward:
+        y = block(x_split)
+    with CommDebugMode() as backward:
+        y.square().sum().backward()
+    y_ref = reference(x_ref)
+    y_ref.square().sum().backward()
+    full = lambda t: t.full_tensor() if hasattr(t, 'full_tensor') else t  # noqa: E731
+    weight_grads = [(full(block[i].weight.grad) - reference[i].weight.grad).abs().max().item() for i in (0, 2)]
+    return dict(output=(y.detach() - y_ref.detach()).abs().max().item(),
+                input_grad=(x_split.grad - x_ref.grad).abs().max().item(),
+                weight_grad=max(weight_grads),
+                scale=y_ref.detach().abs().max().item(),
+                forward=count_collectives(forward), backward=count_collectives(backward),
+                shapes={name: (tuple(block[i].weight.to_local().shape), tuple(reference[i].weight.shape))
+                        for name, i in (('first', 0), ('second', 2))})
+
+
+class _TimedStage(torch.nn.Module):
+    """A pipeline stage that records when each micro-batch's forward and backward run."""
+
+    def __init__(self, inner, log):
+        super().__init__()
+        self.inner, self.log = inner, log
+        first = next(inner.parameters())
+        # the first layer's weight gets its gradient last: the end of this stage's backward
+        first.register_post_accumulate_grad_hook(lambda p: self._backward_end())
+
+    def forward(self, x):
+        start = time.perf_counter()
+        y = self.inner(x)
+        self.log.append(['F', start, time.perf_counter()])
+        if y.requires_grad:
+            y.register_hook(self._backward_start)
+        return y
+
+    def _backward_start(self, grad):
+        self.log.append(['B', time.perf_counter(), None])
+
+    def _backward_end(self):
+        open_spans = [s for s in self.log if s[0] == 'B' and s[2] is None]
+        if open_spans:
+            open_spans[-1][2] = time.perf_counter()
+
+
+def pipeline_model(hidden, layers, classes, seed=0):
+    """`layers` blocks of Linear(hidden, hidden) + ReLU, then Linear(hidden, classes). Used in: 08."""
+    torch.manual_seed(seed)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU()) for _ in range(layers)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(hidden, classes))
+
+
+def pipeline_stage_part(model, rank, world_size):
+    """The consecutive blocks of `model` that stage `rank` of `world_size` holds (the last one the head).
+
+    The hidden blocks are shared out evenly; the small output layer joins the last stage.
+    Used in: 08.
+    """
+    blocks = len(model) - 1
+    if blocks % world_size:
+        raise ValueError(f'{blocks} blocks cannot be shared evenly by {world_size} stages.')
+    per = blocks // world_size
+    part = list(model[rank * per:(rank + 1) * per]) + ([model[-1]] if rank == world_size - 1 else [])
+    return torch.nn.Sequential(*part)
+
+
+def bubble_fraction(p, m):
+    """Idle fraction of a GPipe or 1F1B schedule with p equal stages and m micro-batches: (p-1)/(m+p-1).
+
+    Used in: 08.
+    """
+    if min(p, m) < 1:
+        raise ValueError('need p >= 1 stages and m >= 1 micro-batches.')
+    return (p - 1) / (m + p - 1)
+
+
+def pipeline_run(rank, world_size, run):
+    """Worker for launch(): one model split into world_size pipeline stages, run with micro-batches.
+
+    `run` has hidden, layers, classes, batch_size, repeats and schedules, a list of
+    (name, m) with name 'GPipe' or '1F1B' and m micro-batches (scale_grads=False
+    plants a bug: gradients summed over micro-batches instead of averaged).
+    Returns for each schedule the largest difference of this stage's gradients
+    from the unsplit model's (and grad_scale, their largest size) and of the
+    last stage's micro-batch losses, the
+    forward ('F') and backward ('B') spans of every repeat (seconds, from a
+    common barrier), and the most micro-batches whose activations were held
+    at once. Used in: 08.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    schedules = {'GPipe': ScheduleGPipe, '1F1B': Schedule1F1B}
+    last = rank == world_size - 1
+    x, y = teacher_batches(1, run['batch_size'], run['hidden'], run['classes'], seed=2)[0]
+    reference = pipeline_model(run['hidden'], run['layers'], run['classes'])
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    mine = pipeline_stage_part(reference, rank, world_size)
+    grad_scale = max(p.grad.abs().max().item() for p in mine.parameters())
+    out = []
+    for name, m in run['schedules']:
+        if name not in schedules:
+            raise ValueError(f'unknown schedule {name!r}: use one of {sorted(schedules)}.')
+        log = []
+        part = pipeline_stage_part(pipeline_model(run['hidden'], run['layers'], run['classes']),
+                                   rank, world_size)
+        stage = PipelineStage(_TimedStage(part, log), rank, world_size, torch.device('cpu'))
+        schedule = schedules[name](stage, n_microbatches=m, loss_fn=torch.nn.functional.cross_entropy,
+                                   scale_grads=run.get('scale_grads', True))
+        spans = []
+        for repeat in range(run['repeats'] + 1):     # the first one is a warm-up
+            part.zero_grad()
+            log.clear()
+            losses = []
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                schedule.step(x)
+            elif last:
+                schedule.step(target=y, losses=losses)
+            else:
+                schedule.step()
+            if repeat == 0:
+                grad_diff = max((a.grad - b.grad).abs().max().item()
+                                for a, b in zip(part.parameters(), mine.parameters()))
+                loss_diff = max(abs(l.item() - torch.nn.functional.cross_entropy(reference(xs), ys).item())
+                                for l, xs, ys in zip(losses, x.chunk(m), y.chunk(m))) if last else 0.0
+            else:
+                spans.append([(kind, s - start, e - start) for kind, s, e in log])
+        held = peak = 0
+        for kind, *_ in sorted(spans[-1], key=lambda s: s[1]):
+            held += 1 if kind == 'F' else -1
+            peak = max(peak, held)
+        out.append(dict(schedule=name, m=m, grad_diff=grad_diff, grad_scale=grad_scale, loss_diff=loss_diff,
+                        spans=spans, peak_held=peak))
+    return out
+
+
+def measured_bubble(spans_by_rank):
+    """Idle fraction of a pipeline step from every stage's (kind, start, end) spans.
+
+    The step lasts from the first span's start to the last span's end, over all
+    stages; each stage is idle whenever it computes nothing. Returns the mean over
+    the stages. Used in: 08.
+    """
+    start = min(s for spans in spans_by_rank for _, s, _ in spans)
+    end = max(e for spans in spans_by_rank for _, _, e in spans)
+    busy = [_covered([(s, e) for _, s, e in spans]) for spans in spans_by_rank]
+    return 1 - sum(busy) / len(busy) / (end - start)
