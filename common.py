@@ -494,10 +494,11 @@ FIGURE_TEXT = {
         '低于公式：各阶段的重叠超出了调度所允许的程度',
     'the formula predicts the one-micro-batch pipeline': '公式准确预测了只有一个微批量的流水线',
     'above the formula: hand-overs between the stages cost time': '高于公式：阶段之间的交接花费了时间',
-    'idle fraction at m={m} over the formula': 'm={m} 时空闲比例与公式之比',
-    'the formula holds with many micro-batches too': '微批量很多时公式同样成立',
-    'above the formula: every micro-batch pays a hand-over the formula leaves out':
-        '高于公式：每个微批量都要付出一次公式没有计入的交接开销',
+    'replay': '重放', 'replay, free hand-overs': '重放，交接不花时间',
+    'idle fraction at m={m}, measured over the replay': 'm={m} 时空闲比例的测量值与重放之比',
+    'hand-overs cost little: the rest of the gap is unequal stages': '交接的开销很小：其余的差距来自各阶段不相等',
+    'hand-overs cost a visible part of every step: a stage waits for data':
+        '交接占去了每一步中看得见的一部分时间：一个阶段在等待数据',
     'activations held at once with m={m}: GPipe {g} micro-batches, 1F1B {o}':
         'm={m} 时同时保存激活值的微批量数：GPipe {g} 个，1F1B {o} 个',
 }
@@ -821,7 +822,7 @@ def settings(**per_tier):
     return SimpleNamespace(tier=tier, **values)
 
 
-# ------------------------------------------------- worker processes (00, 05-07)
+# ------------------------------------------------- worker processes (00, 05-08)
 # Infrastructure: you need not read this part to follow the course. What to
 # know: launch() runs a function in several processes joined by
 # torch.distributed, over gloo unless you ask for NCCL; a worker that wants

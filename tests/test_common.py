@@ -1446,3 +1446,35 @@ def test_beyond_data_parallelism_workers_refuse_bad_settings():
     with pytest.raises(ValueError, match='unknown mode'):
         common.launch(common.sharded_training, 2, dict(widths=[4, 4], batch_size=4, steps=1, lr=0.1,
                                                        count_step=0, modes=('zero9',)), threads=1)
+
+
+def _gpipe_timeline(p, m, tf=1.0, tb=2.0, handover=0.0):
+    """Spans of an ideal GPipe step; each hand-over between stages takes `handover` seconds."""
+    f_end = [[0.0] * m for _ in range(p)]
+    b_end = [[0.0] * m for _ in range(p)]
+    spans = [[] for _ in range(p)]
+    for s in range(p):
+        for i in range(m):
+            start = max(f_end[s][i - 1] if i else 0.0, f_end[s - 1][i] + handover if s else 0.0)
+            f_end[s][i] = start + tf
+            spans[s].append(('F', start, start + tf))
+    for s in reversed(range(p)):
+        for i in range(m):
+            start = max(b_end[s][i - 1] if i else f_end[s][-1], b_end[s + 1][i] + handover if s < p - 1 else 0.0)
+            b_end[s][i] = start + tb
+            spans[s].append(('B', start, start + tb))
+    return spans
+
+
+@pytest.mark.parametrize('p,m', [(2, 1), (2, 8), (4, 5)])
+def test_the_pipeline_replay_removes_hand_overs_and_nothing_else(p, m):
+    replay = definitions('08-beyond-data-parallelism', 'replay_without_handovers')['replay_without_handovers']
+    ideal, slow = _gpipe_timeline(p, m), _gpipe_timeline(p, m, handover=0.5)
+    assert common.measured_bubble(ideal) == pytest.approx(common.bubble_fraction(p, m))
+    assert replay(ideal) == pytest.approx(common.bubble_fraction(p, m))
+    assert common.measured_bubble(slow) > common.bubble_fraction(p, m) + 0.01
+    assert replay(slow) == pytest.approx(common.bubble_fraction(p, m))   # the hand-overs are gone
+    uneven = [[(k, 2 * s_, 2 * e) if r == 0 and k == 'B' else (k, s_, e) for k, s_, e in spans]
+              for r, spans in enumerate(ideal)]                         # stage 0's backward slower
+    if m > 1:   # with one micro-batch nothing overlaps, whatever the stages' times
+        assert replay(uneven) > common.bubble_fraction(p, m)

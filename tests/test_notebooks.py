@@ -174,3 +174,19 @@ def test_code_in_markdown_solutions_parses_and_names_real_helpers(name):
                         and isinstance(node.value, ast.Name) and node.value.id == 'common'}
                 missing = sorted(u for u in used if not hasattr(common, u))
                 assert not missing, f'{lang}/{name} cell {i}: common has no {missing}'
+
+
+@pytest.mark.parametrize('lang', ['en', 'zh'])
+@pytest.mark.parametrize('name', NAMES)
+def test_shown_source_is_current(name, lang):
+    """A cell that shows a helper's source (common.show_source) stores today's source of that helper."""
+    import inspect
+    sys.path.insert(0, str(ROOT))
+    import common
+    for cell in load(ROOT / 'notebooks' / lang / name).cells:
+        calls = re.findall(r'^common\.show_source\(common\.(\w+)\)$', cell.source, re.M) \
+            if cell.cell_type == 'code' else []
+        shown = [o.get('data', {}).get('text/markdown', '') for o in cell.get('outputs', [])]
+        for helper, output in zip(calls, shown):
+            assert inspect.getsource(getattr(common, helper)) in output, \
+                f'{lang}/{name}: the stored source of common.{helper} is stale; rebuild the notebook'
