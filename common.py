@@ -495,10 +495,10 @@ FIGURE_TEXT = {
     'the formula predicts the one-micro-batch pipeline': '公式准确预测了只有一个微批量的流水线',
     'above the formula: hand-overs between the stages cost time': '高于公式：阶段之间的交接花费了时间',
     'replay': '重放', 'replay, free hand-overs': '重放，交接不花时间',
-    'idle fraction at m={m}, measured over the replay': 'm={m} 时空闲比例的测量值与重放之比',
-    'hand-overs cost little: the rest of the gap is unequal stages': '交接的开销很小：其余的差距来自各阶段不相等',
+    'idle fraction at m={m}, measured over the replay': 'm={m} 时空闲比例的测量值与重放值之比',
+    'hand-overs cost little: the rest of the gap is unequal stages': '交接的开销很小：其余的差距来自各阶段耗时不均',
     'hand-overs cost a visible part of every step: a stage waits for data':
-        '交接占去了每一步中看得见的一部分时间：一个阶段在等待数据',
+        '交接占去了每一步中明显的一部分时间：有阶段在等待数据',
     'activations held at once with m={m}: GPipe {g} micro-batches, 1F1B {o}':
         'm={m} 时同时保存激活值的微批量数：GPipe {g} 个，1F1B {o} 个',
 }
@@ -2977,9 +2977,12 @@ def sharded_training(rank, world_size, run):
     the last step, the collectives of step count_step, and the median step time.
     Used in: 08.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor.debug import CommDebugMode
+    # fully_shard's own default is a CUDA mesh wherever CUDA exists: say CPU, as the process group is gloo
+    mesh = init_device_mesh('cpu', (world_size,))
     # fully_shard warns that its output is a view, in case the caller changes it in place; we never do
     warnings.filterwarnings('ignore', message='FSDP2-wrapped module')
     batches = teacher_batches(run['steps'], run['batch_size'], run['widths'][0], run['widths'][-1])
@@ -2993,8 +2996,8 @@ def sharded_training(rank, world_size, run):
             keep = mode == 'fsdp, no reshard'        # keep gathered weights from forward to backward
             for layer in model[:-1]:
                 if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer, reshard_after_forward=not keep)   # one unit per layer
-            fully_shard(model, reshard_after_forward=not keep)           # the root: the last layer
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=not keep)   # a unit per layer
+            fully_shard(model, mesh=mesh, reshard_after_forward=not keep)           # root: last layer
         else:
             raise ValueError(f"unknown mode {mode!r}: use 'ddp', 'zero1', 'fsdp' or 'fsdp, no reshard'.")
         if mode == 'zero1':
@@ -3021,7 +3024,7 @@ def sharded_training(rank, world_size, run):
             losses.append(loss.item())
         timed = [t for i, t in enumerate(times) if i >= 2 and i != run['count_step']] or times
         out[mode] = dict(losses=losses, memory=memory, collectives=counts,
-                         step_time=float(np.median(timed)))
+                         step_time=float(np.median(timed)), device=str(next(model.parameters()).device))
     return out
 
 

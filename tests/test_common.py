@@ -526,6 +526,14 @@ def test_every_worker_the_notebooks_launch_runs_whatever_the_gpu_count(fashion_m
     assert ps[1]['allreduce_diff'] < 1e-6
 
 
+def test_beyond_data_parallelism_workers_stay_on_the_cpu_in_processes_that_see_gpus():
+    # 08's workers run over gloo; fully_shard's default mesh would be CUDA wherever CUDA exists.
+    # Spawned processes see the real machine, so the worker fakes a GPU inside each process.
+    for result in common.launch(workers.beyond_data_parallelism_seeing_gpus, 2, threads=1):
+        assert result['devices'] == {'ddp': 'cpu', 'fsdp': 'cpu'} and result['same']
+        assert result['tp'] < 1e-5 and result['pipe'] < 1e-5
+
+
 def test_workers_can_return_tensors_that_outlive_them():
     out = common.launch(workers.return_tensor, 2)
     assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3]

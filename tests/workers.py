@@ -72,3 +72,20 @@ def receive_from_a_sleeper(rank, world_size):
 def backend_and_device(rank, world_size):
     import common
     return dist.get_backend(), str(common.worker_device())
+
+
+def beyond_data_parallelism_seeing_gpus(rank, world_size):
+    """08's workers in a process that believes it has a GPU: each must stay on the CPU and gloo."""
+    import torch
+    import common
+    # where fully_shard picks its default mesh (faking torch.cuda too would send Adam to CUDA code)
+    torch._C._get_accelerator = lambda: torch.device('cuda')
+    sharded = common.sharded_training(rank, world_size, dict(widths=[8, 8, 4], batch_size=8, steps=2, lr=0.1,
+                                                             count_step=1, modes=('ddp', 'fsdp')))
+    tp = common.tensor_parallel_check(rank, world_size, dict(d=8, hidden=16, batch_size=4))
+    pipe = common.pipeline_run(rank, world_size, dict(hidden=8, layers=2, classes=4, batch_size=4, repeats=1,
+                                                      schedules=[('GPipe', 2)]))
+    return dict(devices={mode: r['device'] for mode, r in sharded.items()},
+                same=sharded['ddp']['losses'] == sharded['fsdp']['losses'] or
+                max(abs(a - b) for a, b in zip(sharded['ddp']['losses'], sharded['fsdp']['losses'])) < 1e-5,
+                tp=tp['output'] / tp['scale'], pipe=pipe[0]['grad_diff'] / pipe[0]['grad_scale'])
