@@ -1479,7 +1479,7 @@ def plot_timeline(spans, lanes=None, ax=None, title=None, unit='ms'):
     """Draw (lane, start, end, label) spans as a timeline, one row per lane; return ax.
 
     Times are in seconds and drawn in `unit` ('s', 'ms' or 'us'); lane names are
-    shown through tr(), so a Chinese notebook labels its lanes in Chinese. Used in: 02, 03.
+    shown through tr(), so a Chinese notebook labels its lanes in Chinese. Used in: 02, 03, 08.
     """
     import matplotlib.pyplot as plt
     scale = {'s': 1, 'ms': 1e3, 'us': 1e6}[unit]
@@ -2300,6 +2300,15 @@ def hierarchical_time(size_bytes, machines, gpus, local_bandwidth, network_bandw
     return local + ps_time(size_bytes, machines, servers, network_bandwidth)
 
 
+def _bar_rows(rows, longest):
+    """HTML table rows (label, shown value, bar) for the calculators; bars scale to `longest`."""
+    longest = longest or 1
+    return ''.join(f'<tr><td style="text-align:left">{label}</td><td>{shown}</td>'
+                   f'<td style="text-align:left"><div style="background:#4c72b0;height:0.9em;'
+                   f'width:{max(1, round(240 * value / longest))}px"></div></td></tr>'
+                   for label, shown, value in rows)
+
+
 def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1):
     """An ipywidgets calculator: sliders for the sync_time inputs, a bar per strategy.
 
@@ -2321,12 +2330,7 @@ def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1):
     def update(_=None):
         times = {k: 1e3 * sync_time(k, size.value * 1e6, n.value, bw.value * 1e9,
                                     rings.value if k == 'ring' else 1) for k in SYNC_STRATEGIES}
-        longest = max(times.values()) or 1
-        rows = ''.join(
-            f'<tr><td style="text-align:left">{labels[k]}</td><td>{t:,.2f} ms</td>'
-            f'<td style="text-align:left"><div style="background:#4c72b0;height:0.9em;'
-            f'width:{max(1, round(240 * t / longest))}px"></div></td></tr>'
-            for k, t in times.items())
+        rows = _bar_rows([(labels[k], f'{t:,.2f} ms', t) for k, t in times.items()], max(times.values()))
         table.value = f'<table>{rows}</table>'
 
     for w in (size, n, bw, rings):
@@ -2893,11 +2897,8 @@ def memory_calculator(params_b=7.5, ranks=64, stage=3, precision='bf16 mixed', d
     def update(_=None):
         parts = zero_memory(n.value * 1e9, k.value, z.value, p.value)
         total = sum(parts.values())
-        longest = max(total, d.value * 1e9)
-        rows = ''.join(
-            f'<tr><td style="text-align:left">{text(name)}</td><td>{b / 1e9:,.2f} GB</td>'
-            f'<td style="text-align:left"><div style="background:#4c72b0;height:0.9em;'
-            f'width:{max(1, round(240 * b / longest))}px"></div></td></tr>' for name, b in parts.items())
+        rows = _bar_rows([(text(name), f'{b / 1e9:,.2f} GB', b) for name, b in parts.items()],
+                         max(total, d.value * 1e9))
         room = d.value * 1e9 - total
         line = (say(f'{room / 1e9:,.1f} GB left for activations and buffers',
                     f'还剩 {room / 1e9:,.1f} GB 留给激活值和缓冲区') if room > 0 else
