@@ -6,9 +6,11 @@ common.py. Tests exercise exactly that code: `definitions('05-multi-gpu-from-scr
 section's code cells and executes only them, in a namespace that has torch and common.
 """
 import ast
+import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import common
@@ -31,7 +33,7 @@ def definitions(section, *names):
     missing = wanted - set(found)
     if missing:
         raise LookupError(f'{source.name} defines no {sorted(missing)} in its code cells')
-    namespace = {'torch': torch, 'common': common}
+    namespace = {'torch': torch, 'np': np, 'math': math, 'common': common}
     module = ast.Module(body=[found[name] for name in names], type_ignores=[])
     exec(compile(module, f'<{source.name}>', 'exec'), namespace)
     return namespace

@@ -136,7 +136,8 @@ return {
   errors: [...panel.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
             .map(e => e.textContent.slice(0, 300)),
   images: images.map(i => [i.complete, i.naturalWidth]),
-  widgets: panel.querySelectorAll('.jp-OutputArea-output .widget-slider, .jp-OutputArea-output .jupyter-widgets .widget-hslider').length,
+  widgets: panel.querySelectorAll('.jp-OutputArea-output .widget-slider, '
+                                  + '.jp-OutputArea-output .jupyter-widgets .widget-hslider').length,
 };
 '''
 
@@ -187,4 +188,8 @@ def test_notebook_runs_in_jupyterlab_in_a_browser(lab, browser, lang, name):
         f'{len(state["images"])} figures in the page, {figures} in the stored notebook'
     assert all(done and width > 0 for done, width in state['images']), 'a figure did not render'
     if name.startswith('07'):
-        assert state['widgets'] >= 4, 'the calculator (four sliders) did not render'
+        # The widget manager draws the calculator's sliders after the cell's output has arrived,
+        # which on a loaded machine (or a JupyterLab started for the first time) can be a few
+        # seconds after the kernel went idle: wait for them, for a bounded time.
+        _wait(browser, f'const s = (() => {{ {PAGE_STATE} }})(); return s && s.widgets >= 4',
+              60, 'the calculator (four sliders) to render')

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from test_browser import wait_for_lab
 
 import common
-from test_browser import wait_for_lab
 
 ROOT = Path(__file__).resolve().parent.parent
 

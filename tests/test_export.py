@@ -45,9 +45,9 @@ def test_exported_deck_and_page_work_offline(tmp_path):
     still pointing at a CDN fails to load. A screenshot of a slide with formulas is kept in
     artifacts/export/.
     """
-    from test_browser import _browser, _wait
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+    from test_browser import _browser, _wait
     chromium, driver = _browser()
     name = '07-parameter-servers'
     run = subprocess.run([str(ROOT / 'course'), 'export', 'en', '--only', name, '--out', str(tmp_path)],

@@ -2,10 +2,8 @@
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
-
-from test_notebooks import EN, ZH, NAMES, load, prose
+from test_notebooks import EN, NAMES, ZH, load, prose
 
 GLOSSARY = Path(__file__).resolve().parent.parent / 'notebooks' / 'glossary.md'
 

@@ -6,9 +6,9 @@ notebooks there. Every comparison is between two measurements of one run.
 """
 import pytest
 import torch
+from notebook_code import definitions
 
 import common
-from notebook_code import definitions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
@@ -19,7 +19,7 @@ def test_launch_with_nccl_communicates_gpu_tensors():
     assert max(common.launch(common.ring_check, n, 1001, backend='nccl')) < 1e-5
 
 
-def test_dp_worker_on_nccl_trains_on_the_gpu_like_on_the_cpu(fashion_mnist_available):
+def test_dp_worker_on_nccl_trains_on_the_gpu_like_on_the_cpu(fashion_mnist):
     run = dict(batch_size=64, lr=0.2, steps=2, subset=256, full_fp32=True)
     gpu = common.launch(common.dp_worker, 1, run, backend='nccl')[0]
     cpu = common.launch(common.dp_worker, 1, run, backend='gloo')[0]
@@ -27,14 +27,6 @@ def test_dp_worker_on_nccl_trains_on_the_gpu_like_on_the_cpu(fashion_mnist_avail
     difference = common.step_difference(common.lenet_params(0), gpu['params'], cpu['params'])
     print(f'dp_worker, 2 steps: GPU (full FP32) against CPU: {difference:.1e} of the step')
     assert difference < common.step_tolerance(torch.float32, 'cuda')
-
-
-@pytest.fixture
-def fashion_mnist_available():
-    try:
-        return common.find_fashion_mnist(download=False)
-    except FileNotFoundError:
-        pytest.skip('Fashion-MNIST is not on this machine')
 
 
 def test_full_fp32_removes_the_tf32_error_of_convolutions():

@@ -16,10 +16,6 @@ def fail_on_rank_one(rank, world_size):
     return rank
 
 
-def hang(rank, world_size, seconds=600):
-    time.sleep(seconds)
-
-
 def die_hard(rank, world_size):
     if rank == 0:
         os._exit(7)
@@ -39,6 +35,7 @@ def return_tensor(rank, world_size):
 
 def killed_while_peer_waits(rank, world_size):
     import signal
+
     import torch
     if rank == 0:
         time.sleep(0.5)
@@ -77,6 +74,7 @@ def backend_and_device(rank, world_size):
 def beyond_data_parallelism_seeing_gpus(rank, world_size):
     """08's workers in a process that believes it has a GPU: each must stay on the CPU and gloo."""
     import torch
+
     import common
     # where fully_shard picks its default mesh (faking torch.cuda too would send Adam to CUDA code)
     torch._C._get_accelerator = lambda: torch.device('cuda')

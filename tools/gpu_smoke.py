@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""GPU smoke run: executes notebooks on a GPU machine and records what failed; used for the course's GPU checks (see the closing notes).
+"""GPU smoke run: executes notebooks on a GPU machine and records what failed.
+
+Used for the course's GPU checks (see the closing notes).
 
 Each selected notebook runs in a fresh kernel inside a scratch copy of the
 notebooks/ folder (the kernel's working directory is the copy's <lang>/ folder,
@@ -34,7 +36,8 @@ On a GPU machine whose Python has torch but no Jupyter packages, install the
 wheel kit (.whl/, git-ignored; carried along with the working tree) first;
 the run starts with exactly this prelude:
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
     python3 tools/gpu_smoke.py --out $OUT --notebooks 00 04 05 --budget 420 --hard-stop 480
 
 PYTHONPATH (kit + repo root, for `import common`) and every other variable of

@@ -3,6 +3,8 @@
     python tools/nbpair.py build notebooks/src/01-compilers-and-interpreters.txt
     python tools/nbpair.py build --all          # every section
     python tools/nbpair.py check                # do the notebooks match their sources?
+    python tools/nbpair.py code DIR             # every section's code cells as .py files
+    python tools/nbpair.py lint                 # ruff over those cells, findings at the sources' lines
 
 A source is a sequence of cells, each opened by a line that starts with '%% ':
 
@@ -51,7 +53,8 @@ def parse(path):
                 continue
             if words[0] not in ('md', 'code'):
                 raise ValueError(f'{path}:{lineno}: unknown cell kind {words[0]!r}')
-            current, lang = {'type': words[0], 'tags': words[1:], 'en': [], 'zh': None}, 'en'
+            current, lang = {'type': words[0], 'tags': words[1:], 'en': [], 'zh': None,
+                             'line': lineno + 1}, 'en'
             cells.append(current)
         elif current is None:
             if line.strip():
@@ -59,6 +62,8 @@ def parse(path):
         else:
             current[lang].append(line)
     for i, cell in enumerate(cells):
+        lines = cell['en']
+        cell['line'] += next((k for k, line in enumerate(lines) if line), len(lines))  # blank lines dropped
         for lang in LANGS:
             if cell[lang] is not None:
                 cell[lang] = '\n'.join(cell[lang]).strip('\n')
@@ -248,6 +253,74 @@ def mismatches(src):
     return problems
 
 
+def python_code(src, line_numbers=False):
+    """A section's English code cells as Python files: {name: source}, for linters and tests.
+
+    The notebook's cells go, in order, into NN-name.py, each headed by a '# %% cell N'
+    line that says where it came from; a %%writefile cell of a .py script becomes a
+    file of its own under that script's name. IPython lines (%magic, !command) are
+    kept as comments, so that every line keeps its place. With line_numbers=True the
+    values are (source, [line of the .txt source for each line, or None]).
+    """
+    stem = Path(src).stem
+    files = {f'{stem}.py': []}
+    for i, cell in enumerate(parse(src)):
+        if cell['type'] != 'code':
+            continue
+        lines = list(enumerate(cell['en'].splitlines(), cell['line']))
+        if lines and lines[0][1].startswith('%%writefile'):
+            name = lines[0][1].split()[-1]
+            if name.endswith('.py'):
+                files[f'{stem}--{Path(name).name}'] = lines[1:]
+            continue
+        body = [(n, '# ' + line if line.lstrip().startswith(('%', '!')) else line) for n, line in lines]
+        files[f'{stem}.py'] += [(None, f'# %% cell {i}'), *body, (None, '')]
+    out = {name: '\n'.join(line for _, line in lines) + '\n' for name, lines in files.items()}
+    if line_numbers:
+        return {name: (out[name], [n for n, _ in lines]) for name, lines in files.items()}
+    return out
+
+
+def lint(ruff_args=()):
+    """Run ruff over every section's code cells; print findings at their .txt lines; 0 if clean.
+
+    Cells import where they need to (E402 is off), everything else follows pyproject.toml.
+    """
+    import json
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        where = {}
+        for src in sources():
+            for name, (code, lines) in python_code(src, line_numbers=True).items():
+                (Path(folder) / name).write_text(code, encoding='utf-8')
+                where[name] = (src, lines)
+        done = subprocess.run([sys.executable, '-m', 'ruff', 'check', '--config', str(ROOT / 'pyproject.toml'),
+                               '--extend-ignore', 'E402', '--output-format', 'json', *ruff_args, folder],
+                              capture_output=True, text=True, timeout=120)
+    if done.returncode not in (0, 1):
+        print(done.stderr, file=sys.stderr)
+        return done.returncode
+    findings = json.loads(done.stdout or '[]')
+    for f in findings:
+        src, lines = where[Path(f['filename']).name]
+        line = lines[f['location']['row'] - 1]
+        print(f"{src.relative_to(ROOT)}:{line}:{f['location']['column']}: {f['code']} {f['message']}")
+    return 1 if findings else 0
+
+
+def write_code(folder):
+    """Write every section's python_code() into folder; return the paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for src in sources():
+        for name, code in python_code(src).items():
+            (folder / name).write_text(code, encoding='utf-8')
+            paths.append(folder / name)
+    return paths
+
+
 def sources():
     return sorted((NOTEBOOKS / 'src').glob('*.txt'))
 
@@ -261,6 +334,9 @@ def main(argv=None):
     b.add_argument('--no-execute', action='store_true')
     sub.add_parser('check', help='report notebooks that do not match their source')
     sub.add_parser('slides', help='recompute the slide metadata of every pair')
+    code = sub.add_parser('code', help="write every section's code cells as .py files (for linters)")
+    code.add_argument('folder')
+    sub.add_parser('lint', help="ruff over every section's code cells, reported at the sources' lines")
     prose = sub.add_parser('prose', help='copy corrected markdown into built pairs, no re-run')
     prose.add_argument('src', nargs='+')
     args = ap.parse_args(argv)
@@ -271,6 +347,11 @@ def main(argv=None):
     if args.cmd == 'prose':
         for src in args.src:
             update_prose(src)
+        return 0
+    if args.cmd == 'lint':
+        return lint()
+    if args.cmd == 'code':
+        print('\n'.join(str(path) for path in write_code(args.folder)))
         return 0
     if args.cmd == 'slides':
         for src in sources():

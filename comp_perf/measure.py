@@ -1,0 +1,189 @@
+"""Timing and verdicts (every section): synchronize, Timer, Benchmark, measure, verdict.
+
+Every time the course prints is a median over repeats after a warm-up, with the
+device synchronised; verdict() prints which case a measurement falls in, in the
+reader's language, so that the prose never copies a number from one run.
+"""
+import contextlib
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from comp_perf.language import tr
+from comp_perf.machine import num_gpus
+
+
+def synchronize(device=None):
+    """Wait for queued kernels on a CUDA device, or on every GPU when device is None (no-op on the CPU)."""
+    if device is None:
+        for i in range(num_gpus()):
+            torch.cuda.synchronize(i)
+    elif torch.device(device).type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Record several running times (d2l's Timer)."""
+
+    def __init__(self):
+        self.times = []
+        self.start()
+
+    def start(self):
+        """Start the clock."""
+        self.tik = time.perf_counter()
+
+    def stop(self):
+        """Stop the clock, record and return the time since start()."""
+        self.times.append(time.perf_counter() - self.tik)
+        return self.times[-1]
+
+    def avg(self):
+        """Average of the recorded times."""
+        return sum(self.times) / len(self.times)
+
+    def sum(self):
+        """Sum of the recorded times."""
+        return sum(self.times)
+
+
+class Benchmark:
+    """Context manager that times its block, synchronising the device at both ends.
+
+    sync=False stops the clock without waiting for queued GPU work: it then
+    measures how long it took to *submit* the work (notebook 02 shows why).
+    """
+
+    def __init__(self, description='Done', device=None, verbose=True, sync=True):
+        self.description, self.device, self.verbose = description, device, verbose
+        self.sync, self.elapsed = sync, None
+
+    def __enter__(self):
+        synchronize(self.device)
+        self.timer = Timer()
+        return self
+
+    def __exit__(self, *exc):
+        if self.sync:
+            synchronize(self.device)
+        self.elapsed = self.timer.stop()
+        if self.verbose and exc[0] is None:
+            print(f'{self.description}: {self.elapsed:.4f} sec')
+
+
+def measure(fn, *args, repeats=None, sync=True, device=None, min_run_time=0.2):
+    """Median seconds per call of fn(*args), after a warm-up call, device synchronised.
+
+    Without `repeats`, torch.utils.benchmark's blocked_autorange runs fn in
+    blocks until `min_run_time` seconds have passed, synchronising the current
+    GPU around each block, and returns the median time per call. We give it all of
+    PyTorch's threads: its own default is ONE thread, which would quietly time
+    a different program than the one you run.
+
+    With `repeats`, each of `repeats` calls is timed on its own (everything
+    synchronised before each call) and the median returned. sync=False then
+    stops the clock as soon as fn returns, without waiting for the device
+    (every GPU if device is None): notebook 02 uses that to see asynchrony.
+    """
+    if repeats is None:
+        if not sync:
+            raise ValueError('sync=False needs repeats=...: blocked_autorange always synchronises.')
+        from torch.utils import (
+            benchmark,  # imported late: it loads cpp_extension, which logs
+        )
+        fn(*args)  # warm-up: first-call costs (allocation, compilation) stay out
+        synchronize(device)
+        timer = benchmark.Timer(stmt='fn(*args)', globals={'fn': fn, 'args': args},
+                                            num_threads=torch.get_num_threads())
+        return timer.blocked_autorange(min_run_time=min_run_time).median
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f'repeats must be a whole number >= 1, got {repeats!r}.')
+    fn(*args)
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn(*args)
+        if sync:
+            synchronize(device)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+class Case(str):
+    """The key of the case verdict() chose: an ordinary string that a notebook does not echo.
+
+    A cell that ends with common.verdict(...) shows only the printed verdict line.
+    Used by verdict().
+    """
+
+    def _ipython_display_(self):
+        pass
+
+
+def verdict(what, value, cases, unit='×', digits=2, shown=None):
+    """Print the conclusion a measurement supports, in the notebook's language; return its case.
+
+    `what` names the measured quantity and each case's text says what it
+    means, in English; a Chinese notebook prints their entries in the catalog
+    (tr; a test checks that every text the notebooks pass has one). `cases` is a list of
+    (upper_bound, key, text) with increasing bounds: the first case whose
+    bound exceeds `value` applies (use math.inf for the last). `shown`
+    replaces the printed number, e.g. to show both sides of a comparison.
+
+        verdict('compile/eager at batch 1', 0.64,
+                [(0.9, 'slower', 'compile is slower: overhead-bound'),
+                 (1.1, 'same', 'no difference'),
+                 (math.inf, 'faster', 'compile is faster')])
+        # Verdict: compile/eager at batch 1: 0.64× → compile is slower: overhead-bound
+
+    The prose then explains the cases and points at the verdict, so it never
+    has to copy a number from one particular run.
+    """
+    if not cases:
+        raise ValueError('verdict() needs at least one case.')
+    bounds = [bound for bound, _, _ in cases]
+    if bounds != sorted(bounds):
+        raise ValueError(f'the cases\' upper bounds must increase, got {bounds}.')
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f'verdict() needs a measured number, got {value!r}.')
+    for bound, key, case_text in cases:
+        if value < bound:
+            break
+    else:
+        raise ValueError(f'{value!r} is not below any case bound {bounds}: add a last case '
+                         'with math.inf.')
+    number = shown if shown is not None else f'{value:.{digits}f}{unit}'
+    print(tr('Verdict: {what}: {number} → {case}', what=tr(what), number=number, case=tr(case_text)))
+    return Case(key)
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Silence what C++ libraries (the profiler's kineto, say) print straight to fd 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def covered_seconds(spans, lo=-float('inf'), hi=float('inf')):
+    """Seconds covered by the union of (start, end) spans, counting only the part in [lo, hi]."""
+    total, reach = 0.0, lo
+    for start, end in sorted(spans):
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total, reach = total + end - start, end
+    return total

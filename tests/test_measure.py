@@ -1,0 +1,162 @@
+"""Timing and verdicts (comp_perf/measure.py and the timeline of comp_perf/pictures.py)."""
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+import comp_perf.fashion_mnist
+import comp_perf.language
+import comp_perf.measure
+
+
+
+def test_timer_records_times():
+    timer = common.Timer()
+    time.sleep(0.01)
+    first = timer.stop()
+    timer.start()
+    time.sleep(0.02)
+    timer.stop()
+    assert first >= 0.01 and timer.sum() >= 0.03
+    assert timer.avg() == pytest.approx(timer.sum() / 2)
+
+
+def test_benchmark_times_block(capsys):
+    with common.Benchmark('nap') as bench:
+        time.sleep(0.02)
+    assert bench.elapsed >= 0.02
+    assert capsys.readouterr().out.startswith('nap: ')
+
+
+def test_benchmark_without_sync_still_times_cpu_work():
+    with common.Benchmark(verbose=False, sync=False) as bench:
+        time.sleep(0.01)
+    assert bench.elapsed >= 0.01
+
+
+def test_quiet_native_stderr_hides_fd2_then_restores_it(tmp_path):
+    code = ('import os, common\n'
+            'with common.quiet_native_stderr():\n'
+            '    os.write(2, b"hidden\\n")\n'
+            'os.write(2, b"shown\\n")\n')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, timeout=60)
+    assert out.stderr.decode().splitlines()[-1] == 'shown' and b'hidden' not in out.stderr
+
+
+def test_plot_timeline_draws_one_row_per_lane():
+    spans = [('front end', 0.0, 0.001, 'a'), ('back end', 0.001, 0.004, 'b'),
+             ('front end', 0.002, 0.003, 'c')]
+    ax = common.plot_timeline(spans, unit='ms', title='t')
+    assert [t.get_text() for t in ax.get_yticklabels()] == ['front end', 'back end']
+    assert len(ax.collections) == 3
+    bar = ax.collections[1].get_paths()[0].get_extents()
+    assert (bar.x0, bar.x1) == pytest.approx((1.0, 4.0))  # seconds drawn in milliseconds
+
+
+def test_measure_with_repeats_skips_warm_up():
+    calls = []
+
+    def slow_first():
+        calls.append(1)
+        time.sleep(0.2 if len(calls) == 1 else 0.01)
+
+    median = common.measure(slow_first, repeats=5, sync=False)
+    assert len(calls) == 6 and 0.01 <= median < 0.1
+
+
+def _count_syncs(monkeypatch):
+    calls = []
+    monkeypatch.setattr(comp_perf.measure, 'synchronize', lambda device=None: calls.append(device))
+    return calls
+
+
+@pytest.mark.parametrize('sync,expected', [(False, 2), (True, 3)])
+def test_measure_sync_false_does_not_wait_for_the_device(monkeypatch, sync, expected):
+    # one synchronisation after the warm-up, one before the timed call, and one
+    # after it only with sync=True: that last one is what 02 leaves out
+    calls = _count_syncs(monkeypatch)
+    common.measure(lambda: None, repeats=1, sync=sync, device='cuda:0')
+    assert len(calls) == expected and set(calls) == {'cuda:0'}
+
+
+@pytest.mark.parametrize('sync,expected', [(False, 1), (True, 2)])
+def test_benchmark_sync_false_does_not_wait_at_the_end(monkeypatch, sync, expected):
+    calls = _count_syncs(monkeypatch)
+    with common.Benchmark(verbose=False, sync=sync):
+        pass
+    assert len(calls) == expected
+
+
+def test_measure_refuses_nonsense():
+    with pytest.raises(ValueError, match='sync=False needs repeats'):
+        common.measure(lambda: None, sync=False)
+    with pytest.raises(ValueError, match='whole number'):
+        common.measure(lambda: None, repeats=0)
+
+
+def test_synchronize_waits_for_every_gpu(monkeypatch, fake_gpus):
+    waited = []
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: waited.append(device))
+    fake_gpus(3)
+    common.synchronize()
+    assert waited == [0, 1, 2]
+    waited.clear()
+    common.synchronize('cuda:1')
+    common.synchronize('cpu')
+    assert waited == ['cuda:1']
+
+
+CASES = [(0.9, 'slower', 'compile is slower'), (1.1, 'same', 'no difference'),
+         (math.inf, 'faster', 'compile is faster')]
+
+
+@pytest.fixture
+def case_texts(monkeypatch):
+    # Chinese for the test's own texts, added to the catalog for this test only
+    for english, chinese in [('compile is slower', '编译版更慢'), ('no difference', '没有差别'),
+                             ('compile is faster', '编译版更快'), ('compile/eager', '编译/eager'),
+                             ('threads / intra-op', '线程 / 算子内')]:
+        monkeypatch.setitem(comp_perf.language.zh_text(), english, chinese)
+
+
+@pytest.mark.parametrize('value,key', [(0.64, 'slower'), (0.9, 'same'), (1.0, 'same'), (9.6, 'faster')])
+def test_verdict_picks_the_case_and_prints_the_number(monkeypatch, capsys, case_texts, value, key):
+    monkeypatch.setenv('COURSE_LANG', 'en')
+    assert common.verdict('compile/eager', value, CASES) == key
+    text = dict((k, t) for _, k, t in CASES)[key]
+    assert capsys.readouterr().out == f'Verdict: compile/eager: {value:.2f}× → {text}\n'
+
+
+def test_verdict_speaks_chinese_and_can_show_a_comparison(monkeypatch, capsys, case_texts):
+    monkeypatch.setenv('COURSE_LANG', 'zh')
+    common.verdict('threads / intra-op', 1.6 / 1.98, CASES, shown='1.60× vs 1.98×')
+    assert capsys.readouterr().out == '结论：线程 / 算子内：1.60× vs 1.98× → 编译版更慢\n'
+    # a notebook's texts come from the catalog
+    common.verdict('time of sum(list) over torch.sum', 100.0,
+                   [(math.inf, 'x', 'sum(list) handles one Python object per number: overhead-bound')])
+    assert capsys.readouterr().out.endswith('100.00× → sum(list) 每个数都要处理一个 Python 对象：受开销限制\n')
+
+
+def test_verdict_refuses_cases_that_cannot_decide():
+    with pytest.raises(ValueError, match='math.inf'):
+        common.verdict('r', 5.0, CASES[:2])
+    with pytest.raises(ValueError, match='must increase'):
+        common.verdict('r', 1.0, CASES[::-1])
+    with pytest.raises(ValueError, match='measured number'):
+        common.verdict('r', float('nan'), CASES)
+
+
+def test_measure_reports_median_not_first_call():
+    calls = []
+
+    def slow_first(x):
+        calls.append(x)
+        time.sleep(0.2 if len(calls) == 1 else 0.001)
+
+    median = common.measure(slow_first, 1, min_run_time=0.05)
+    assert len(calls) > 3
+    assert 0.001 <= median < 0.1  # the 0.2 s first call is the warm-up, not measured

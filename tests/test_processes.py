@@ -1,0 +1,153 @@
+"""Worker processes (comp_perf/processes.py): real process groups, errors, timeouts, no orphans."""
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import workers
+from process_checks import alive, children, wait_until
+
+import common
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_launch_runs_real_process_group():
+    assert common.launch(workers.rank_and_world, 2, backend='gloo') == [
+        (0, 2, 0, 2, '0'), (1, 2, 1, 2, '1')]
+    assert common.launch(common.allreduce_check, 3) == [6.0, 6.0, 6.0]
+
+
+@pytest.mark.parametrize('gpus', [1, 2, 8])
+def test_launch_never_picks_nccl_by_itself(fake_gpus, gpus):
+    # The old rule chose NCCL whenever there were as many GPUs as processes, and
+    # every CPU tensor then failed ("No backend type associated with device type cpu").
+    fake_gpus(gpus)
+    for world_size in sorted({1, 2, min(gpus, 3)}):
+        assert common.launch(workers.backend_and_device, world_size) == [('gloo', 'cpu')] * world_size
+
+
+def test_worker_device_follows_the_backend_it_was_given(monkeypatch):
+    monkeypatch.setattr(torch.distributed, 'get_rank', lambda: 3)
+    monkeypatch.setattr(torch.distributed, 'get_backend', lambda: 'nccl')
+    assert common.worker_device() == torch.device('cuda:3')
+    monkeypatch.setattr(torch.distributed, 'get_backend', lambda: 'gloo')
+    assert common.worker_device() == torch.device('cpu')
+
+
+def test_nccl_is_checked_against_the_gpu_count(fake_gpus):
+    fake_gpus(2)
+    with pytest.raises(ValueError, match='nccl needs one GPU per process: 3 processes, 2 GPU'):
+        common.launch(common.allreduce_check, 3, backend='nccl')
+
+
+@pytest.mark.parametrize('gpus', [1, 2, 8])
+def test_every_worker_the_notebooks_launch_runs_whatever_the_gpu_count(fashion_mnist, fake_gpus, gpus):
+    # 00, 05 and 07 call these exactly like this; with the GPU count faked, each
+    # must still run on CPU processes over gloo and give its CPU answer.
+    fake_gpus(gpus)
+    assert common.launch(common.allreduce_check, 2) == [3.0, 3.0]
+    assert max(common.launch(common.ring_check, 2, 1001)) < 1e-5
+    bench = common.launch(common.comm_benchmark, 2, [4096], 1, ('ring', 'all_reduce'))[0]
+    assert set(bench) == {'pingpong', 'exchange', 'ring', 'all_reduce'}
+    run = dict(batch_size=32, lr=0.1, steps=1, subset=64)
+    one = common.launch(common.dp_worker, 1, dict(run, full_fp32=True), threads=1)[0]  # a no-op on CPUs
+    two = common.launch(common.dp_worker, 2, run)
+    assert {one['device'], two[0]['device'], two[1]['device']} == {'cpu'}
+    assert common.step_difference(common.lenet_params(0), two[0]['params'], one['params']) \
+        < common.step_tolerance()
+    ps = common.launch(common.ps_process, 3, dict(servers=1, steps=1, batch_size=32, lr=0.1,
+                                                   subset=64, piece=4096))
+    assert ps[1]['allreduce_diff'] < 1e-6
+
+
+def test_beyond_data_parallelism_workers_stay_on_the_cpu_in_processes_that_see_gpus():
+    # 08's workers run over gloo; fully_shard's default mesh would be CUDA wherever CUDA exists.
+    # Spawned processes see the real machine, so the worker fakes a GPU inside each process.
+    for result in common.launch(workers.beyond_data_parallelism_seeing_gpus, 2, threads=1):
+        assert result['devices'] == {'ddp': 'cpu', 'fsdp': 'cpu'} and result['same']
+        assert result['tp'] < 1e-5 and result['pipe'] < 1e-5
+
+
+def test_workers_can_return_tensors_that_outlive_them():
+    out = common.launch(workers.return_tensor, 2)
+    assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3]
+
+
+def test_worker_exception_is_reraised_with_traceback():
+    with pytest.raises(ZeroDivisionError, match='on purpose') as info:
+        common.launch(workers.fail_on_rank_one, 2, timeout=60)
+    remote = str(info.value.__cause__)
+    assert 'worker rank 1' in remote and 'fail_on_rank_one' in remote
+
+
+def test_worker_that_dies_is_named():
+    with pytest.raises(common.WorkerError, match='rank 0 exited with code 7'):
+        common.launch(workers.die_hard, 2, timeout=60)
+
+
+def test_hanging_worker_times_out_and_leaves_no_process(tmp_path):
+    # Readiness does not matter here: on a loaded machine the 4 s may pass before a worker has
+    # even written its pid. Whatever state they reached, no process may outlive the call.
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r'rank\(s\) \[0, 1\] did not finish within 4 s'):
+        common.launch(workers.report_pid_then_hang, 2, str(tmp_path), timeout=4)
+    assert time.monotonic() - start < 30
+    pids = [int(p.read_text()) for p in tmp_path.glob('*.pid')]
+    assert len(pids) <= 2 and not any(alive(pid) for pid in pids)
+    assert wait_until(lambda: not children(), 10), children()
+
+
+def test_bad_launch_requests_are_refused():
+    with pytest.raises(ValueError, match='world_size'):
+        common.launch(common.allreduce_check, 0)
+    with pytest.raises(ValueError, match='nccl needs one GPU per process'):
+        common.launch(common.allreduce_check, common.num_gpus() + 1, backend='nccl')
+    for bad in ('carrier-pigeon', 'NCCL', None):
+        with pytest.raises(ValueError, match="backend must be 'gloo'"):
+            common.launch(common.allreduce_check, 2, backend=bad)
+
+    def local(rank, world_size):
+        return rank
+    local.__module__ = '__main__'  # as if defined in a notebook
+    with pytest.raises(ValueError, match='defined in the notebook'):
+        common.launch(local, 2)
+
+
+@pytest.mark.parametrize('how', ['interrupt', 'kill'])
+def test_no_orphans_when_launcher_is_interrupted_or_killed(tmp_path, how):
+    # The launcher runs in its own process, as a notebook kernel would. If it ever hangs,
+    # faulthandler writes every thread's stack to its stderr file, which the failure shows.
+    # A kernel always turns SIGINT into KeyboardInterrupt; a process started from a background
+    # job inherits SIGINT as *ignored*, so the child installs Python's handler explicitly.
+    code = (f'import sys, signal, faulthandler; sys.path.insert(0, {str(TESTS)!r})\n'
+            'signal.signal(signal.SIGINT, signal.default_int_handler)\n'
+            'faulthandler.dump_traceback_later(20, exit=False)\n'
+            'import common, workers\n'
+            f'common.launch(workers.report_pid_then_hang, 2, {str(tmp_path)!r}, timeout=600)\n')
+    log = tmp_path / 'launcher.stderr'
+    with open(log, 'w') as stderr:
+        parent = subprocess.Popen([sys.executable, '-c', code], stderr=stderr)
+    try:
+        assert wait_until(lambda: len(list(tmp_path.glob('*.pid'))) == 2, 60), 'workers did not start'
+        pids = [int(p.read_text()) for p in tmp_path.glob('*.pid')]
+        parent.send_signal(signal.SIGINT if how == 'interrupt' else signal.SIGKILL)
+        try:
+            parent.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f'launcher did not exit after {how}:\n{log.read_text()[-4000:]}')
+        assert wait_until(lambda: not any(alive(pid) for pid in pids), 15), \
+            f'workers {pids} outlived their launcher ({how})'
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_launch_op_timeout_bounds_a_receive():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match='Timed out'):
+        common.launch(workers.receive_from_a_sleeper, 2, op_timeout=2, timeout=60)
+    assert time.monotonic() - start < 30

@@ -1,0 +1,152 @@
+"""Section 08: memory, sharded, tensor and pipeline parallelism (comp_perf/s08_beyond_data_parallel.py)."""
+
+import pytest
+import torch
+from notebook_code import definitions
+
+import common
+
+
+
+SECTION_08 = definitions('08-beyond-data-parallelism', 'check_same_training', 'check_tensor_parallel',
+                         'check_pipeline')
+
+
+def test_zero_memory_reproduces_the_zero_paper_and_checks_its_input():
+    # Rajbhandari et al. (ZeRO), Figure 1: 7.5B parameters, 64 GPUs, K = 12
+    gb = [sum(common.zero_memory(7.5e9, 64, stage).values()) / 1e9 for stage in range(4)]
+    assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]
+    fp32 = common.zero_memory(1000, 4, 2, 'fp32')
+    assert fp32 == {'parameters': 4000, 'gradients': 1000, 'optimizer state': 2000}
+    for bad in (dict(params=0), dict(ranks=0), dict(ranks=2.5), dict(stage=4), dict(precision='fp8')):
+        with pytest.raises(ValueError):
+            common.zero_memory(**{'params': 10, **bad})
+
+
+def test_memory_helpers_measure_what_training_holds():
+    model = common.mlp([8, 16, 4])
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    opt = torch.optim.Adam(params)
+    x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
+    assert common.local_bytes([params[0], params[0], None]) == params[0].numel() * 4
+    loss, saved = common.saved_activation_bytes(lambda: torch.nn.functional.cross_entropy(model(x), y),
+                                                exclude=params)
+    assert saved - (4 * 5 * (8 + 16 + 4) + 8 * 5) in range(0, 16)   # inputs, log-probs, labels (+ a scalar)
+    loss.backward()
+    opt.step()
+    got = common.training_memory(model, opt)
+    assert got['parameters'] == got['gradients'] == 4 * n
+    assert got['optimizer state'] - 8 * n == 4 * len(params)         # m, v and one step counter per tensor
+
+
+def test_memory_calculator_follows_its_sliders():
+    box = common.memory_calculator()
+    params, ranks, stage, precision, device, table = box.children
+    assert '1.88 GB' in table.value and 'left' in table.value        # the paper's 1.875 GB at stage 3
+    stage.value = 0
+    assert '120.00 GB' in table.value and 'does not fit' in table.value
+    precision.value = 'fp32'
+    ranks.value, stage.value = 1, 3
+    assert '30.00 GB' in table.value and '60.00 GB' in table.value   # 4 and 8 bytes of 7.5B
+
+
+def test_ring_bytes_and_bubble_formulas():
+    assert common.ring_bytes('all-reduce', 100, 4) == 150
+    assert common.ring_bytes('all-gather', 100, 4) == common.ring_bytes('reduce-scatter', 100, 4) == 75
+    assert common.bubble_fraction(2, 1) == 0.5 and common.bubble_fraction(4, 13) == 3 / 16
+    with pytest.raises(ValueError):
+        common.ring_bytes('broadcast', 1, 2)
+    with pytest.raises(ValueError):
+        common.bubble_fraction(2, 0)
+
+
+@pytest.mark.parametrize('p,m', [(2, 1), (2, 4), (3, 5)])
+def test_measured_bubble_of_an_ideal_gpipe_timeline_is_the_formula(p, m):
+    tf, tb = 1.0, 2.0
+    spans = [[('F', (s + i) * tf, (s + i + 1) * tf) for i in range(m)] for s in range(p)]
+    backward_start = (m + p - 1) * tf
+    for s in range(p):   # the last stage starts the backward, the first finishes it
+        spans[s] += [('B', backward_start + (p - 1 - s + i) * tb, backward_start + (p - s + i) * tb)
+                     for i in range(m)]
+    assert common.measured_bubble(spans) == pytest.approx(common.bubble_fraction(p, m))
+
+
+def test_sharded_training_equals_ddp_with_a_half_per_rank_and_the_check_catches_a_bad_start():
+    run = dict(widths=[16, 32, 32, 4], batch_size=32, steps=4, lr=1e-2, count_step=2,
+               modes=('ddp', 'zero1', 'fsdp', 'fsdp, no reshard'))
+    results = common.launch(common.sharded_training, 2, run, threads=1)
+    SECTION_08['check_same_training'](results)
+    n = sum(p.numel() for p in common.mlp(run['widths']).parameters())
+    for r in results:
+        assert r['ddp']['memory']['parameters'] == 4 * n and r['fsdp']['memory']['parameters'] == 2 * n
+        assert r['fsdp']['collectives'] == {'all-gather': 6, 'reduce-scatter': 3}
+        assert r['fsdp, no reshard']['collectives'] == {'all-gather': 3, 'reduce-scatter': 3}
+        assert set(r['ddp']['collectives']) == {'all-reduce'}
+    bad = common.launch(common.sharded_training, 2, dict(run, seed_by_rank=True, modes=('ddp', 'fsdp')), threads=1)
+    with pytest.raises(AssertionError, match='fsdp'):
+        SECTION_08['check_same_training'](bad)
+
+
+def test_tensor_parallel_block_equals_the_unsplit_block_and_the_check_catches_different_weights():
+    run = dict(d=16, hidden=64, batch_size=8)
+    good = common.launch(common.tensor_parallel_check, 2, run, threads=1)
+    assert SECTION_08['check_tensor_parallel'](good) < 1e-5
+    assert good[0]['forward'] == {'all-reduce': 1} == good[0]['backward']
+    assert good[0]['shapes'] == {'first': ((32, 16), (64, 16)), 'second': ((16, 32), (16, 64))}
+    bad = common.launch(common.tensor_parallel_check, 2, dict(run, seed_by_rank=True), threads=1)
+    with pytest.raises(AssertionError, match='rank 1'):
+        SECTION_08['check_tensor_parallel'](bad)
+
+
+def test_pipeline_equals_the_unsplit_model_and_the_check_catches_summed_micro_batches():
+    run = dict(hidden=32, layers=4, classes=10, batch_size=16, repeats=1,
+               schedules=[('GPipe', 1), ('GPipe', 4), ('1F1B', 4)])
+    good = common.launch(common.pipeline_run, 2, run, threads=1)
+    assert SECTION_08['check_pipeline'](good) < 1e-5
+    assert [r['peak_held'] for r in good[0]] == [1, 4, 2]             # 1F1B holds at most p
+    assert all(kinds == {'F', 'B'} for kinds in ({k for k, *_ in r['spans'][0]} for r in good[0]))
+    bad = common.launch(common.pipeline_run, 2, dict(run, scale_grads=False, schedules=[('GPipe', 4)]),
+                        threads=1)
+    with pytest.raises(AssertionError, match='gradients'):
+        SECTION_08['check_pipeline'](bad)
+
+
+def test_beyond_data_parallelism_workers_refuse_bad_settings():
+    with pytest.raises(ValueError, match='shared evenly'):
+        common.pipeline_stage_part(common.pipeline_model(8, 3, 2), 0, 2)
+    with pytest.raises(ValueError, match='unknown mode'):
+        common.launch(common.sharded_training, 2, dict(widths=[4, 4], batch_size=4, steps=1, lr=0.1,
+                                                       count_step=0, modes=('zero9',)), threads=1)
+
+
+def _gpipe_timeline(p, m, tf=1.0, tb=2.0, handover=0.0):
+    """Spans of an ideal GPipe step; each hand-over between stages takes `handover` seconds."""
+    f_end = [[0.0] * m for _ in range(p)]
+    b_end = [[0.0] * m for _ in range(p)]
+    spans = [[] for _ in range(p)]
+    for s in range(p):
+        for i in range(m):
+            start = max(f_end[s][i - 1] if i else 0.0, f_end[s - 1][i] + handover if s else 0.0)
+            f_end[s][i] = start + tf
+            spans[s].append(('F', start, start + tf))
+    for s in reversed(range(p)):
+        for i in range(m):
+            start = max(b_end[s][i - 1] if i else f_end[s][-1], b_end[s + 1][i] + handover if s < p - 1 else 0.0)
+            b_end[s][i] = start + tb
+            spans[s].append(('B', start, start + tb))
+    return spans
+
+
+@pytest.mark.parametrize('p,m', [(2, 1), (2, 8), (4, 5)])
+def test_the_pipeline_replay_removes_hand_overs_and_nothing_else(p, m):
+    replay = definitions('08-beyond-data-parallelism', 'replay_without_handovers')['replay_without_handovers']
+    ideal, slow = _gpipe_timeline(p, m), _gpipe_timeline(p, m, handover=0.5)
+    assert common.measured_bubble(ideal) == pytest.approx(common.bubble_fraction(p, m))
+    assert replay(ideal) == pytest.approx(common.bubble_fraction(p, m))
+    assert common.measured_bubble(slow) > common.bubble_fraction(p, m) + 0.01
+    assert replay(slow) == pytest.approx(common.bubble_fraction(p, m))   # the hand-overs are gone
+    uneven = [[(k, 2 * s_, 2 * e) if r == 0 and k == 'B' else (k, s_, e) for k, s_, e in spans]
+              for r, spans in enumerate(ideal)]                         # stage 0's backward slower
+    if m > 1:   # with one micro-batch nothing overlaps, whatever the stages' times
+        assert replay(uneven) > common.bubble_fraction(p, m)
