@@ -14,7 +14,7 @@ the first section that uses it.
 """
 # 00 Start here: the reader's language, devices, tiers and settings, timing, verdicts, processes, data
 from comp_perf.language import tr
-from comp_perf.machine import try_gpu, gpu, try_all_gpus, environment_report, settings
+from comp_perf.machine import num_gpus, try_gpu, gpu, try_all_gpus, environment_report, settings
 from comp_perf.measure import Benchmark, measure, verdict
 from comp_perf.processes import launch, allreduce_check
 from comp_perf.fashion_mnist import FASHION_LABELS, load_data_fashion_mnist
@@ -22,14 +22,14 @@ from comp_perf.fashion_mnist import FASHION_LABELS, load_data_fashion_mnist
 # 01 Compilers and interpreters: silence what C++ libraries print around the profiler
 from comp_perf.measure import quiet_native_stderr
 
-# 02 Asynchronous computation: wait for the device, draw a timeline
+# 02 Asynchronous computation: wait for the device, count the cores this process may use, draw a timeline
+from comp_perf.machine import usable_cores
 from comp_perf.measure import synchronize
 from comp_perf.pictures import plot_timeline
 
 # 03 Automatic parallelism: nothing new (it times threads and devices with the helpers above)
 
-# 04 Hardware: GPU count, cache steps, compiled C, GPU datasheets
-from comp_perf.machine import num_gpus
+# 04 Hardware: cache steps, compiled C, GPU datasheets
 from comp_perf.s04_hardware import cache_knees, compile_c, GPU_DATASHEETS, gpu_datasheet
 
 # 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker
@@ -56,6 +56,7 @@ from comp_perf.s07_parameter_server import (KVStore, shard_keys, PSFault, ps_pro
                                             ps_async_process, ps_in_turn)
 
 # 08 Beyond data parallelism: memory per parameter, sharded, tensor and pipeline parallelism
+from comp_perf.processes import worker_device
 from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_PARTS, zero_memory,
                                                 training_memory, saved_activation_bytes,
                                                 memory_calculator, ring_bytes, mlp, teacher_batches,
@@ -63,12 +64,13 @@ from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_
                                                 bubble_fraction, pipeline_run, measured_bubble)
 
 # Behind the helpers above (no notebook calls these; other helpers, the set-up and the tools do)
-from comp_perf.language import (CATALOG_FILE, course_language, read_catalog, zh_text, CJK_FONTS,
-                                cjk_font, in_notebook)
-from comp_perf.machine import TIER_TEXT, TIER_REAL, detect_tier, hardware_summary, SETTINGS_ENV
+from comp_perf.language import (CATALOG_FILE, course_language, read_catalog, zh_text, display_width,
+                                pad, CJK_FONTS, cjk_font, in_notebook)
+from comp_perf.machine import (CUDA_WARNINGS, TIER_TEXT, TIER_REAL, detect_tier, hardware_summary,
+                               unusable_gpus, SETTINGS_ENV)
 from comp_perf.measure import Case, covered_seconds
 from comp_perf.pictures import bar_rows
-from comp_perf.processes import worker_device, free_port, node_gpus, stop_process_tree
+from comp_perf.processes import free_port, node_gpus, stop_process_tree
 from comp_perf.fashion_mnist import ROOT, DATA_DIR, DEBIAN_DIR, FASHION_FILES, fashion_mnist_arrays, clear_cache
 from comp_perf.s06_ddp import Residual
 from comp_perf.s07_ring import RING_ALGORITHMS

@@ -8,6 +8,7 @@ grouped by the section that first uses each entry.
 import json
 import os
 import sys
+import unicodedata
 from pathlib import Path
 
 CATALOG_FILE = Path(__file__).with_name('text_zh.json')
@@ -71,6 +72,17 @@ def tr(english, **fields):
         out = zh_text().get(english, english)
         _use_cjk_font()
     return out.format(**fields) if fields else out
+
+
+def display_width(text):
+    """Columns `text` takes in a fixed-width font: a Chinese character takes two."""
+    return sum(2 if unicodedata.east_asian_width(c) in 'WF' else 1 for c in str(text))
+
+
+def pad(text, width=0):
+    """`text` padded with spaces to `width` display columns, so that Chinese tables line up."""
+    text = str(text)
+    return text + ' ' * max(0, width - display_width(text))
 
 
 # Fonts that cover Chinese, best first: Linux packages, then Windows and macOS.

@@ -10,19 +10,39 @@ import ast
 import os
 import platform
 import shutil
+import subprocess
+import warnings
 from types import SimpleNamespace
 
 import torch
 
 from comp_perf.fashion_mnist import find_fashion_mnist
-from comp_perf.language import tr
+from comp_perf.language import display_width, pad, tr
 
-if not torch.cuda.is_available():
-    # Import-time adjustment (one of two; the other is the Chinese font below):
-    # a CUDA build of PyTorch on a machine without CUDA logs a timestamped
+# Import-time adjustments (the other one is the Chinese font, in language.py). Where PyTorch
+# cannot use a GPU that is there (a driver older than this CUDA build needs), it warns once,
+# on stderr, in every process that asks: the warning is kept here, and environment_report
+# says what it means, instead of every notebook and worker printing it.
+with warnings.catch_warnings(record=True) as _caught:
+    warnings.simplefilter('always')
+    _CUDA_USABLE = torch.cuda.is_available()
+CUDA_WARNINGS = [str(w.message) for w in _caught if 'CUDA' in str(w.message)]
+if not _CUDA_USABLE:
+    # A CUDA build of PyTorch on a machine without CUDA logs a timestamped
     # "No CUDA runtime is found" at its first compilation; it is irrelevant here.
     import logging
     logging.getLogger('torch.utils.cpp_extension').setLevel(logging.ERROR)
+
+
+def usable_cores():
+    """How many CPUs this process may run on: its affinity mask, not the machine's count.
+
+    A container or a job scheduler often gives a process fewer CPUs than os.cpu_count()
+    reports; every decision about processes and threads goes by this number.
+    """
+    if hasattr(os, 'sched_getaffinity'):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 def num_gpus():
@@ -106,11 +126,27 @@ def hardware_summary():
         'python': platform.python_version(),
         'torch': torch.__version__,
         'os': f'{platform.system()} {platform.machine()}',
-        'cpu_cores': os.cpu_count(),
+        'cpu_cores': usable_cores(),
         'torch_threads': torch.get_num_threads(),
         'gpus': gpus,
         'tier': detect_tier(),
     }
+
+
+def unusable_gpus():
+    """The GPUs nvidia-smi lists that this PyTorch cannot use, as 'name, driver' lines ([] if none).
+
+    The usual cause is a driver older than the CUDA version this PyTorch was built for.
+    """
+    tool = shutil.which('nvidia-smi')
+    if torch.cuda.is_available() or tool is None:
+        return []
+    try:
+        done = subprocess.run([tool, '--query-gpu=name,driver_version', '--format=csv,noheader'],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
 
 
 def environment_report(data_root=None):
@@ -122,6 +158,12 @@ def environment_report(data_root=None):
     except FileNotFoundError:
         data = None
     gpus = ', '.join(info['gpus']) or tr('none')
+    unusable = unusable_gpus()
+    if unusable:
+        gpus = tr('none usable: nvidia-smi sees {gpus} (name, driver), but this PyTorch, built for CUDA '
+                  '{cuda}, cannot use them: install a newer NVIDIA driver, or a PyTorch build for an older '
+                  'CUDA. PyTorch says: {why}', gpus='; '.join(unusable), cuda=torch.version.cuda,
+                  why=(CUDA_WARNINGS or ['torch.cuda.is_available() is False'])[0].strip().splitlines()[0][:200])
     compiler = next(filter(None, map(shutil.which, ('c++', 'g++', 'clang++', 'cl'))), None)
     rows = [
         ('Python', info['python']),
@@ -135,9 +177,9 @@ def environment_report(data_root=None):
             'NOT FOUND: torch.compile cannot build CPU kernels (see README)')),
         (tr('tier'), f"{tier}: {tr(TIER_TEXT[tier])}"),
     ]
-    width = max(len(k) for k, _ in rows)
+    width = max(display_width(k) for k, _ in rows)
     for k, v in rows:
-        print(f'{k:<{width}}  {v}')
+        print(f'{pad(k, width)}  {v}')
     print(tr(TIER_REAL[tier]))
     return info
 

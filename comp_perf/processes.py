@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from comp_perf.machine import num_gpus
+from comp_perf.machine import num_gpus, usable_cores
 
 # Infrastructure: you need not read this part to follow the course. What to
 # know: launch() runs a function in several processes joined by
@@ -71,7 +71,7 @@ def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_
                          f'{num_gpus()} GPU(s). Use backend="gloo" or fewer processes.')
     if names is not None and len(names) != world_size:
         raise ValueError(f'names has {len(names)} entries for {world_size} processes.')
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads or max(1, usable_cores() // world_size)
     ctx = mp.get_context('spawn')
     results = ctx.Queue()
     # The store lives here, on a port the OS picks, so parallel notebooks never collide.
@@ -256,8 +256,8 @@ def _worker_main(rank, world_size, port, backend, threads, fn, args, results, pa
         if backend == 'nccl':
             torch.cuda.set_device(rank)
         store = dist.TCPStore('127.0.0.1', port, world_size + 1, is_master=False)
-        extra = {} if op_timeout is None else {'timeout': datetime.timedelta(seconds=op_timeout)}
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **extra)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                **_group_options(backend, rank, op_timeout))
         joined = True
         outcome = (rank, 'ok', fn(rank, world_size, *args))
     except BaseException as e:
@@ -283,6 +283,18 @@ def _worker_main(rank, world_size, port, backend, threads, fn, args, results, pa
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _group_options(backend, rank, op_timeout):
+    """init_process_group's options: the operation timeout, and on NCCL the GPU of this rank.
+
+    device_id binds the group to cuda:<rank>, so that NCCL need not guess the device at
+    its first collective (it warns when it has to, e.g. at a barrier).
+    """
+    options = {} if op_timeout is None else {'timeout': datetime.timedelta(seconds=op_timeout)}
+    if backend == 'nccl':
+        options['device_id'] = torch.device('cuda', rank)
+    return options
 
 
 def _label(rank, names):

@@ -28,6 +28,9 @@ def full_fp32():
     single-device step") compare two computations that should agree to
     float32 rounding, so they run inside this block. Uses PyTorch's
     fp32_precision settings and restores them afterwards; no effect on CPUs.
+    While it is in force, reading the legacy flag torch.backends.cudnn.allow_tf32
+    raises (PyTorch refuses a mix of the legacy and the new API), and
+    torch.compile reads such flags: compile outside the block.
     """
     knobs = [torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn]
     saved = [k.fp32_precision for k in knobs]

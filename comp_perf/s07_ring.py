@@ -47,6 +47,8 @@ def ring_allreduce(tensor):
 
     Each of the 2(n-1) steps sends one n-th of the tensor to the right neighbour and
     receives one from the left, so every link carries the same, small amount at once.
+    The send and the receive of a step go out as one batch: NCCL deadlocks on a send
+    and a receive that must progress together unless they are fused (gloo takes both).
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     chunks = list(torch.tensor_split(tensor.view(-1), n))
@@ -56,9 +58,9 @@ def ring_allreduce(tensor):
         send_index = (rank - step) % n
         recv_index = (rank - step - 1) % n
         incoming = buffer[:chunks[recv_index].numel()]
-        request = dist.isend(chunks[send_index].contiguous(), right)
-        dist.recv(incoming, left)
-        request.wait()
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send_index].contiguous(), right),
+                                               dist.P2POp(dist.irecv, incoming, left)]):
+            request.wait()
         if step < n - 1:
             chunks[recv_index] += incoming       # reduce-scatter: accumulate
         else:
@@ -93,14 +95,14 @@ def ring_allreduce_both_ways(tensor):
              (list(torch.tensor_split(flat[half:], n)), -1)]   # to rank-1, from rank+1
     buffers = [torch.empty_like(chunks[0]) for chunks, _ in rings]
     for step in range(2 * (n - 1)):
-        requests, arrivals = [], []
+        ops, arrivals = [], []
         for tag, ((chunks, d), buffer) in enumerate(zip(rings, buffers)):
             send_index, recv_index = (rank - d * step) % n, (rank - d * (step + 1)) % n
             incoming = buffer[:chunks[recv_index].numel()]
-            requests.append(dist.isend(chunks[send_index], (rank + d) % n, tag=tag))
-            requests.append(dist.irecv(incoming, (rank - d) % n, tag=tag))
+            ops.append(dist.P2POp(dist.isend, chunks[send_index], (rank + d) % n, tag=tag))
+            ops.append(dist.P2POp(dist.irecv, incoming, (rank - d) % n, tag=tag))
             arrivals.append((chunks, recv_index, incoming))
-        for request in requests:
+        for request in dist.batch_isend_irecv(ops):   # all four at once (see ring_allreduce)
             request.wait()
         for chunks, i, incoming in arrivals:
             if step < n - 1:
@@ -136,9 +138,9 @@ def comm_benchmark(rank, world_size, sizes, repeats=5, algorithms=('ring', 'all_
     def exchange(t):  # both send at once, as in every step of a ring
         if rank < 2:
             incoming = torch.empty_like(t)
-            request = dist.isend(t, 1 - rank)
-            dist.recv(incoming, 1 - rank)
-            request.wait()
+            for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1 - rank),
+                                                   dist.P2POp(dist.irecv, incoming, 1 - rank)]):
+                request.wait()
 
     device = worker_device()
     ops = {'pingpong': pingpong, 'exchange': exchange, 'all_reduce': dist.all_reduce,

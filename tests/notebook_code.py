@@ -21,19 +21,25 @@ import nbpair  # noqa: E402
 
 
 def definitions(section, *names):
-    """A namespace holding the named top-level functions or classes of a section's code cells."""
+    """A namespace holding the named top-level functions or classes of a section's code cells.
+
+    The section's own top-level imports run first, so that the functions find the names
+    the page imported for them.
+    """
     source = next((ROOT / 'notebooks' / 'src').glob(f'{section}*.txt'))
-    wanted, found = set(names), {}
+    wanted, found, imports = set(names), {}, []
     for cell in nbpair.parse(source):
         if cell['type'] != 'code' or cell['en'].lstrip().startswith('%'):
             continue
         for node in ast.parse(cell['en']).body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
                 found[node.name] = node
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                imports.append(node)
     missing = wanted - set(found)
     if missing:
         raise LookupError(f'{source.name} defines no {sorted(missing)} in its code cells')
     namespace = {'torch': torch, 'np': np, 'math': math, 'common': common}
-    module = ast.Module(body=[found[name] for name in names], type_ignores=[])
+    module = ast.Module(body=imports + [found[name] for name in names], type_ignores=[])
     exec(compile(module, f'<{source.name}>', 'exec'), namespace)
     return namespace

@@ -1,4 +1,5 @@
 """Devices, hardware tiers and settings (comp_perf/machine.py), bad input included."""
+import os
 import re
 
 import pytest
@@ -8,7 +9,6 @@ import common
 import comp_perf.fashion_mnist
 import comp_perf.language
 import comp_perf.measure
-
 
 
 def test_try_gpu_falls_back_to_cpu(monkeypatch, fake_gpus):
@@ -138,3 +138,43 @@ def test_settings_overrides_must_have_the_notebooks_types(monkeypatch, fake_gpus
 def test_settings_need_t0():
     with pytest.raises(ValueError, match='T0'):
         common.settings(T1=dict(epochs=1))
+
+
+def test_a_gpu_this_pytorch_cannot_use_is_reported_with_its_driver(monkeypatch, fake_gpus, capsys):
+    # A laptop whose driver is older than the CUDA build: torch sees no GPU, nvidia-smi sees one.
+    import subprocess as sp
+
+    import comp_perf.machine
+    fake_gpus(0)
+    monkeypatch.setattr(comp_perf.machine.shutil, 'which',
+                        lambda name: '/usr/bin/nvidia-smi' if name == 'nvidia-smi' else None)
+    monkeypatch.setattr(comp_perf.machine.subprocess, 'run', lambda *a, **k: sp.CompletedProcess(
+        a, 0, stdout='NVIDIA GeForce RTX 3060 Laptop GPU, 535.183.01\n', stderr=''))
+    monkeypatch.setattr(comp_perf.machine, 'CUDA_WARNINGS', ['CUDA initialization: The NVIDIA driver on your '
+                                                            'system is too old (found version 12020).'])
+    monkeypatch.setenv('COURSE_LANG', 'en')
+    assert comp_perf.machine.unusable_gpus() == ['NVIDIA GeForce RTX 3060 Laptop GPU, 535.183.01']
+    info = common.environment_report()
+    out = capsys.readouterr().out
+    assert info['tier'] == 'T0'
+    assert 'RTX 3060 Laptop GPU, 535.183.01' in out and 'newer NVIDIA driver' in out and 'too old' in out
+
+
+def test_without_nvidia_smi_no_gpu_is_just_none(monkeypatch, fake_gpus, capsys):
+    import comp_perf.machine
+    fake_gpus(0)
+    monkeypatch.setattr(comp_perf.machine.shutil, 'which', lambda name: None)
+    assert comp_perf.machine.unusable_gpus() == []
+
+
+def test_chinese_rows_line_up_by_display_width():
+    from comp_perf.language import display_width, pad
+    assert display_width('档位') == 4 and display_width('GPU') == 3
+    assert display_width(pad('档位', 8)) == display_width(pad('Python', 8)) == 8
+
+
+def test_usable_cores_follow_the_affinity_mask_not_the_machine(monkeypatch):
+    # A container that may use 1 of the machine's 8 CPUs (docker --cpuset-cpus=0)
+    monkeypatch.setattr(os, 'cpu_count', lambda: 8)
+    monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0}, raising=False)
+    assert common.usable_cores() == 1

@@ -13,7 +13,6 @@ import comp_perf.language
 import comp_perf.measure
 
 
-
 def test_timer_records_times():
     timer = common.Timer()
     time.sleep(0.01)
@@ -134,7 +133,7 @@ def test_verdict_picks_the_case_and_prints_the_number(monkeypatch, capsys, case_
 def test_verdict_speaks_chinese_and_can_show_a_comparison(monkeypatch, capsys, case_texts):
     monkeypatch.setenv('COURSE_LANG', 'zh')
     common.verdict('threads / intra-op', 1.6 / 1.98, CASES, shown='1.60× vs 1.98×')
-    assert capsys.readouterr().out == '结论：线程 / 算子内：1.60× vs 1.98× → 编译版更慢\n'
+    assert capsys.readouterr().out == '结论：线程 / 算子内为 1.60× vs 1.98× → 编译版更慢\n'   # no stacked colons
     # a notebook's texts come from the catalog
     common.verdict('time of sum(list) over torch.sum', 100.0,
                    [(math.inf, 'x', 'sum(list) handles one Python object per number: overhead-bound')])

@@ -1,4 +1,5 @@
 """Worker processes (comp_perf/processes.py): real process groups, errors, timeouts, no orphans."""
+import datetime
 import signal
 import subprocess
 import sys
@@ -151,3 +152,15 @@ def test_launch_op_timeout_bounds_a_receive():
     with pytest.raises(RuntimeError, match='Timed out'):
         common.launch(workers.receive_from_a_sleeper, 2, op_timeout=2, timeout=60)
     assert time.monotonic() - start < 30
+
+
+def test_nccl_groups_are_bound_to_the_ranks_gpu_and_gloo_groups_to_none():
+    from comp_perf.processes import _group_options
+    assert _group_options('nccl', 2, None) == {'device_id': torch.device('cuda', 2)}
+    assert _group_options('gloo', 2, None) == {}
+    assert _group_options('gloo', 0, 5) == {'timeout': datetime.timedelta(seconds=5)}
+
+
+def test_launch_gives_each_process_its_share_of_the_usable_cores():
+    share = max(1, common.usable_cores() // 2)
+    assert common.launch(workers.intra_op_threads, 2) == [share, share]

@@ -38,6 +38,9 @@ def test_full_fp32_turns_tf32_off_and_restores_it():
                 assert [k.fp32_precision for k in knobs] == ['ieee'] * 3
                 raise KeyError('restored even after an error')
         assert torch.backends.cudnn.conv.fp32_precision == 'tf32'
+        with common.full_fp32():   # what its docstring warns about: the legacy flag refuses
+            with pytest.raises(RuntimeError):
+                torch.backends.cudnn.allow_tf32
     finally:
         for k, v in zip(knobs, before):
             k.fp32_precision = v

@@ -10,7 +10,6 @@ from notebook_code import definitions
 import common
 
 
-
 def test_sync_time_reproduces_the_worked_example():
     MB, GB = 1e6, 1e9
     times = {s: common.sync_time(s, 160 * MB, 4, 16 * GB) for s in common.SYNC_STRATEGIES}

@@ -6,8 +6,6 @@ from notebook_code import definitions
 
 import common
 
-
-
 SECTION_08 = definitions('08-beyond-data-parallelism', 'check_same_training', 'check_tensor_parallel',
                          'check_pipeline')
 

@@ -2,6 +2,7 @@
 import os
 import time
 
+import torch
 import torch.distributed as dist
 
 
@@ -87,3 +88,7 @@ def beyond_data_parallelism_seeing_gpus(rank, world_size):
                 same=sharded['ddp']['losses'] == sharded['fsdp']['losses'] or
                 max(abs(a - b) for a, b in zip(sharded['ddp']['losses'], sharded['fsdp']['losses'])) < 1e-5,
                 tp=tp['output'] / tp['scale'], pipe=pipe[0]['grad_diff'] / pipe[0]['grad_scale'])
+
+
+def intra_op_threads(rank, world_size):
+    return torch.get_num_threads()
