@@ -32,7 +32,8 @@ from comp_perf.pictures import plot_timeline
 # 04 Hardware: cache steps, compiled C, GPU datasheets
 from comp_perf.s04_hardware import cache_knees, compile_c, GPU_DATASHEETS, gpu_datasheet
 
-# 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker
+# 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker, aligned tables
+from comp_perf.language import display_width, pad
 from comp_perf.measure import Timer
 from comp_perf.pictures import show_source
 from comp_perf.fashion_mnist import fashion_mnist_datasets
@@ -64,8 +65,7 @@ from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_
                                                 bubble_fraction, pipeline_run, measured_bubble)
 
 # Behind the helpers above (no notebook calls these; other helpers, the set-up and the tools do)
-from comp_perf.language import (CATALOG_FILE, course_language, read_catalog, zh_text, display_width,
-                                pad, CJK_FONTS, cjk_font, in_notebook)
+from comp_perf.language import CATALOG_FILE, course_language, read_catalog, zh_text, CJK_FONTS, cjk_font, in_notebook
 from comp_perf.machine import (CUDA_WARNINGS, TIER_TEXT, TIER_REAL, detect_tier, hardware_summary,
                                unusable_gpus, SETTINGS_ENV)
 from comp_perf.measure import Case, covered_seconds
