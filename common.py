@@ -27,13 +27,14 @@ from comp_perf.machine import usable_cores
 from comp_perf.measure import synchronize
 from comp_perf.pictures import plot_timeline
 
-# 03 Automatic parallelism: nothing new (it times threads and devices with the helpers above)
+# 03 Automatic parallelism: tables aligned by display width (a Chinese character takes two columns)
+from comp_perf.language import pad
 
 # 04 Hardware: cache steps, compiled C, GPU datasheets
 from comp_perf.s04_hardware import cache_knees, compile_c, GPU_DATASHEETS, gpu_datasheet
 
-# 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker, aligned tables
-from comp_perf.language import display_width, pad
+# 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker, display widths
+from comp_perf.language import display_width
 from comp_perf.measure import Timer
 from comp_perf.pictures import show_source
 from comp_perf.fashion_mnist import fashion_mnist_datasets

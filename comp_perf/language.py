@@ -79,10 +79,11 @@ def display_width(text):
     return sum(2 if unicodedata.east_asian_width(c) in 'WF' else 1 for c in str(text))
 
 
-def pad(text, width=0):
-    """`text` padded with spaces to `width` display columns, so that Chinese tables line up."""
+def pad(text, width=0, right=False):
+    """`text` padded to `width` display columns (right=True: spaces on the left), so that Chinese tables line up."""
     text = str(text)
-    return text + ' ' * max(0, width - display_width(text))
+    fill = ' ' * max(0, width - display_width(text))
+    return fill + text if right else text + fill
 
 
 # Fonts that cover Chinese, best first: Linux packages, then Windows and macOS.

@@ -70,11 +70,9 @@ def gpu(i=0):
     _check_index(i)
     n = num_gpus()
     if i >= n:
-        have = 'no GPU' if n == 0 else f'{n} GPU(s): cuda:0..cuda:{n - 1}'
-        raise RuntimeError(
-            f'cuda:{i} was requested, but this machine has {have}. '
-            f'Use common.try_gpu({i}) to fall back to the CPU, or check '
-            'CUDA_VISIBLE_DEVICES and nvidia-smi.')
+        have = tr('no GPU') if n == 0 else tr('{n} GPU(s): cuda:0..cuda:{last}', n=n, last=n - 1)
+        raise RuntimeError(tr('cuda:{i} was requested, but this machine has {have}. Use common.try_gpu({i}) to '
+                              'fall back to the CPU, or check CUDA_VISIBLE_DEVICES and nvidia-smi.', i=i, have=have))
     return torch.device(f'cuda:{i}')
 
 

@@ -20,6 +20,11 @@ sys.path.insert(0, str(ROOT / 'tools'))
 import nbpair  # noqa: E402
 
 
+def section_of(src):
+    """'00' … '09' for a section's source file, 'guide' for the instructor's guide."""
+    return src.stem[:2] if src.stem[:2].isdigit() else 'guide'
+
+
 def definitions(section, *names):
     """A namespace holding the named top-level functions or classes of a section's code cells.
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from notebook_code import section_of
 
 import common
 from comp_perf import language
@@ -18,11 +19,6 @@ sys.path.insert(0, str(ROOT / 'tools'))
 import nbpair  # noqa: E402
 
 CJK = re.compile(r'[\u3400-\u9fff]')
-
-
-def section_of(src):
-    """'00' … '09' for a section's source, 'guide' for the instructor's guide."""
-    return src.stem[:2] if src.stem[:2].isdigit() else 'guide'
 
 
 def module_group(path):

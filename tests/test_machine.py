@@ -171,6 +171,7 @@ def test_chinese_rows_line_up_by_display_width():
     from comp_perf.language import display_width, pad
     assert display_width('档位') == 4 and display_width('GPU') == 3
     assert display_width(pad('档位', 8)) == display_width(pad('Python', 8)) == 8
+    assert pad('档位', 6, right=True) == '  档位'
 
 
 def test_usable_cores_follow_the_affinity_mask_not_the_machine(monkeypatch):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from notebook_code import section_of
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / 'comp_perf'
@@ -21,7 +22,7 @@ def section_sources():
     """{section: source text}: '00' … for the numbered sections, 'guide' for the instructor's guide."""
     out = {}
     for src in sorted((ROOT / 'notebooks' / 'src').glob('*.txt')):
-        out[src.stem[:2] if src.stem[:2].isdigit() else 'guide'] = src.read_text(encoding='utf-8')
+        out[section_of(src)] = src.read_text(encoding='utf-8')
     return out
 
 
