@@ -148,3 +148,20 @@ def test_the_pipeline_replay_removes_hand_overs_and_nothing_else(p, m):
               for r, spans in enumerate(ideal)]                         # stage 0's backward slower
     if m > 1:   # with one micro-batch nothing overlaps, whatever the stages' times
         assert replay(uneven) > common.bubble_fraction(p, m)
+
+
+# One 1F1B step on 2 stages, m = 3, forward 1 s, backward 2 s, free hand-overs, worked out by hand:
+# stage 0 runs F0 F1 B0 F2 B1 B2, stage 1 (the last) F0 B0 F1 B1 F2 B2; the step lasts 12 s, 9 s busy per stage.
+ONE_F_ONE_B = [[('F', 0, 1), ('F', 1, 2), ('B', 4, 6), ('F', 6, 7), ('B', 7, 9), ('B', 10, 12)],
+               [('F', 1, 2), ('B', 2, 4), ('F', 4, 5), ('B', 5, 7), ('F', 7, 8), ('B', 8, 10)]]
+
+
+def test_the_pipeline_replay_follows_each_stage_s_own_order():
+    replay = definitions('08-beyond-data-parallelism', 'replay_without_handovers')['replay_without_handovers']
+    assert common.measured_bubble(ONE_F_ONE_B) == pytest.approx(0.25)
+    assert replay(ONE_F_ONE_B) == pytest.approx(common.bubble_fraction(2, 3))     # 1/4, as for GPipe
+    late = [[(k, 1.5 * s, 1.5 * s + e - s) for k, s, e in spans] for spans in ONE_F_ONE_B]  # waits for data
+    assert common.measured_bubble(late) > 0.3
+    assert replay(late) == pytest.approx(0.25)
+    with pytest.raises(ValueError, match='wait for each other'):   # stage 0 cannot run B0 before stage 1 has
+        replay([[('B', 0, 2), ('F', 2, 3)], [('F', 3, 4), ('B', 4, 6)]])
