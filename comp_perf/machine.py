@@ -37,8 +37,9 @@ if not _CUDA_USABLE:
 def usable_cores():
     """How many CPUs this process may run on: its affinity mask, not the machine's count.
 
-    A container or a job scheduler often gives a process fewer CPUs than os.cpu_count()
-    reports; every decision about processes and threads goes by this number.
+    A container's cpuset, taskset or Slurm often lets a process run on fewer CPUs than
+    os.cpu_count() reports; every decision about processes and threads goes by this number.
+    A CPU quota without a mask (docker --cpus, a Kubernetes CPU limit) does not show here.
     """
     if hasattr(os, 'sched_getaffinity'):
         return len(os.sched_getaffinity(0)) or 1
