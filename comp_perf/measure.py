@@ -14,16 +14,28 @@ import numpy as np
 import torch
 
 from comp_perf.language import tr
-from comp_perf.machine import num_gpus
 
 
 def synchronize(device=None):
-    """Wait for queued kernels on a CUDA device, or on every GPU when device is None (no-op on the CPU)."""
+    """Wait for the kernels queued on the GPU(s) this process computes on (a no-op on the CPU).
+
+    device=None waits for the current CUDA device (cuda:0 unless the process
+    changed it), and only once this process has initialised CUDA: before that it
+    cannot have queued any work, and waiting on a GPU creates a CUDA context
+    there, some hundreds of MB of that GPU's memory. A device ('cuda:1', a
+    torch.device, an index) or a list of them waits for exactly those; pass every
+    GPU in play when work runs on several (03's two-device branch, 05's
+    replicas). CPU devices in the list are skipped.
+    """
+    if not torch.cuda.is_initialized():
+        return
     if device is None:
-        for i in range(num_gpus()):
-            torch.cuda.synchronize(i)
-    elif torch.device(device).type == 'cuda':
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize()
+        return
+    for each in device if isinstance(device, (list, tuple)) else [device]:
+        each = torch.device('cuda', each) if isinstance(each, int) else torch.device(each)
+        if each.type == 'cuda':
+            torch.cuda.synchronize(each)
 
 
 class Timer:
@@ -86,12 +98,17 @@ def measure(fn, *args, repeats=None, sync=True, device=None, min_run_time=0.2):
 
     With `repeats`, each of `repeats` calls is timed on its own (everything
     synchronised before each call) and the median returned. sync=False then
-    stops the clock as soon as fn returns, without waiting for the device
-    (every GPU if device is None): notebook 02 uses that to see asynchrony.
+    stops the clock as soon as fn returns, without waiting for the device:
+    notebook 02 uses that to see asynchrony. `device` is what synchronize()
+    waits for: by default the current GPU; a list of devices when fn computes
+    on several (with `repeats` only, since blocked_autorange waits for the
+    current GPU alone).
     """
     if repeats is None:
         if not sync:
             raise ValueError('sync=False needs repeats=...: blocked_autorange always synchronises.')
+        if isinstance(device, (list, tuple)):
+            raise ValueError('several devices need repeats=...: blocked_autorange waits for the current GPU only.')
         from torch.utils import (
             benchmark,  # imported late: it loads cpp_extension, which logs
         )

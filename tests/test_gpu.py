@@ -84,6 +84,22 @@ def test_synchronize_waits_for_queued_work():
     assert torch.cuda.current_stream().query()
 
 
+def test_timing_cpu_work_creates_no_cuda_context():
+    # synchronize() once waited on every visible GPU, creating a CUDA context on each
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ('import torch, common\n'
+            'common.synchronize()\n'
+            'common.measure(sum, [1, 2], repeats=3)\n'
+            'with common.Benchmark(verbose=False):\n'
+            '    pass\n'
+            'print("initialised", torch.cuda.is_initialized())\n')
+    child = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).resolve().parent.parent)
+    assert 'initialised False' in child.stdout, child.stdout[-1000:] + child.stderr[-2000:]
+
+
 # ---- what notebooks 02 and 03 teach about GPUs, checked where a GPU exists
 
 def _late_error_script():

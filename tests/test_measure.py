@@ -95,18 +95,54 @@ def test_measure_refuses_nonsense():
         common.measure(lambda: None, sync=False)
     with pytest.raises(ValueError, match='whole number'):
         common.measure(lambda: None, repeats=0)
+    with pytest.raises(ValueError, match='several devices need repeats'):
+        common.measure(lambda: None, device=['cuda:0', 'cuda:1'])
 
 
-def test_synchronize_waits_for_every_gpu(monkeypatch, fake_gpus):
-    waited = []
-    monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: waited.append(device))
+@pytest.fixture
+def fake_cuda(monkeypatch, fake_gpus):
+    """Three visible GPUs; returns (waited, set_initialised): torch.cuda.synchronize's calls, and a switch."""
     fake_gpus(3)
+    state = {'initialised': False}
+    waited = []
+    monkeypatch.setattr(torch.cuda, 'is_initialized', lambda: state['initialised'])
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: waited.append(device))
+    return waited, lambda value: state.update(initialised=value)
+
+
+def test_synchronize_touches_no_gpu_before_cuda_is_initialised(fake_cuda):
+    # waiting on a GPU creates a CUDA context there: a process that never used CUDA must not
+    waited, initialised = fake_cuda
+    initialised(False)
     common.synchronize()
-    assert waited == [0, 1, 2]
+    common.synchronize('cuda:1')
+    common.synchronize(['cuda:0', 'cuda:1'])
+    common.measure(lambda: None, repeats=2)
+    with common.Benchmark(verbose=False):
+        pass
+    assert waited == []
+
+
+def test_synchronize_waits_for_the_current_gpu_only_unless_told_more(fake_cuda):
+    waited, initialised = fake_cuda
+    initialised(True)
+    common.synchronize()
+    assert waited == [None]              # torch.cuda.synchronize(None): the current device
     waited.clear()
     common.synchronize('cuda:1')
     common.synchronize('cpu')
-    assert waited == ['cuda:1']
+    assert waited == [torch.device('cuda:1')]
+    waited.clear()
+    common.synchronize([torch.device('cuda', 0), 'cpu', 2])  # a list: each GPU in it, CPU skipped
+    assert waited == [torch.device('cuda:0'), torch.device('cuda:2')]
+
+
+def test_measure_passes_several_devices_on_to_synchronize(fake_cuda):
+    # 03's two-device branch times work on two GPUs: both must be waited for
+    waited, initialised = fake_cuda
+    initialised(True)
+    common.measure(lambda: None, repeats=1, device=['cuda:0', 'cuda:1'])
+    assert waited == [torch.device('cuda:0'), torch.device('cuda:1')] * 3
 
 
 CASES = [(0.9, 'slower', 'compile is slower'), (1.1, 'same', 'no difference'),
