@@ -26,7 +26,7 @@ VERDICT = {'en': 'Verdict: ', 'zh': '结论：'}
 DEICTIC = {
     'en': re.compile(r"\b(here|on this machine|on this CPU|on this laptop|in this run|this run's|measured|"
                      r"the stored (?:output|run)s?|on the CI machine)\b", re.I),
-    'zh': re.compile(r'这里|本机|这台机器|这台 CPU|这次运行|保存的输出|CI 机器上|测得|实测'),
+    'zh': re.compile(r'这里|本机|这台机器|这台 CPU|这次运行|保存的输出|CI 机器上|CI 测试机上|测得|实测'),
 }
 # Outcome words with their direction: +1 better, -1 worse, 2 no difference (a case too).
 OUTCOMES = {
