@@ -19,22 +19,24 @@ from comp_perf.measure import Benchmark, measure, verdict
 from comp_perf.processes import launch, allreduce_check
 from comp_perf.fashion_mnist import FASHION_LABELS, load_data_fashion_mnist
 
-# 01 Compilers and interpreters: silence what C++ libraries print around the profiler
+# 01 Compilers and interpreters: silence what C++ libraries print around the profiler; tables aligned by
+# display width (a Chinese character takes two columns)
 from comp_perf.measure import quiet_native_stderr
+from comp_perf.language import pad
 
-# 02 Asynchronous computation: wait for the device, count the cores this process may use, draw a timeline
+# 02 Asynchronous computation: wait for the device, count the cores this process may use, draw a timeline,
+# measure a label's display width
 from comp_perf.machine import usable_cores
+from comp_perf.language import display_width
 from comp_perf.measure import synchronize
 from comp_perf.pictures import plot_timeline
 
-# 03 Automatic parallelism: tables aligned by display width (a Chinese character takes two columns)
-from comp_perf.language import pad
+# 03 Automatic parallelism: nothing new (threads, streams and schedules use what 00-02 brought)
 
 # 04 Hardware: cache steps, compiled C, GPU datasheets
 from comp_perf.s04_hardware import cache_knees, compile_c, GPU_DATASHEETS, gpu_datasheet
 
-# 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker, display widths
-from comp_perf.language import display_width
+# 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker
 from comp_perf.measure import Timer
 from comp_perf.pictures import show_source
 from comp_perf.fashion_mnist import fashion_mnist_datasets

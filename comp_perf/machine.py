@@ -168,13 +168,13 @@ def environment_report(data_root=None):
         ('Python', info['python']),
         ('PyTorch', info['torch']),
         (tr('system'), info['os']),
-        (tr('CPU cores'), f"{info['cpu_cores']} ({tr('PyTorch threads')}: "
-                                        f"{info['torch_threads']})"),
+        (tr('CPU cores'), tr('{cores} (PyTorch threads: {threads})', cores=info['cpu_cores'],
+                             threads=info['torch_threads'])),
         ('GPU', gpus),
         ('Fashion-MNIST', data or tr('NOT FOUND (sections 05-06 need it; see README)')),
         (tr('C++ compiler'), compiler or tr(
             'NOT FOUND: torch.compile cannot build CPU kernels (see README)')),
-        (tr('tier'), f"{tier}: {tr(TIER_TEXT[tier])}"),
+        (tr('tier'), tr('{tier}: {name}', tier=tier, name=tr(TIER_TEXT[tier]))),
     ]
     width = max(display_width(k) for k, _ in rows)
     for k, v in rows:
@@ -286,6 +286,6 @@ def settings(**per_tier):
               tier=tier, name=tr(TIER_TEXT[tier]), source=source, shown=shown)
     if forced or overrides:
         changed = ([f'tier={forced}'] if forced else []) + [f'{k}={v!r}' for k, v in overrides.items()]
-        line += f'  [override: {SETTINGS_ENV} ' + ', '.join(changed) + ']'
+        line += tr('  [override: {env} {changed}]', env=SETTINGS_ENV, changed=', '.join(changed))
     print(line)
     return SimpleNamespace(tier=tier, **values)

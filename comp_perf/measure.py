@@ -68,6 +68,7 @@ class Benchmark:
 
     sync=False stops the clock without waiting for queued GPU work: it then
     measures how long it took to *submit* the work (notebook 02 shows why).
+    The description is printed as given: pass it through tr().
     """
 
     def __init__(self, description='Done', device=None, verbose=True, sync=True):
@@ -84,7 +85,7 @@ class Benchmark:
             synchronize(self.device)
         self.elapsed = self.timer.stop()
         if self.verbose and exc[0] is None:
-            print(f'{self.description}: {self.elapsed:.4f} sec')
+            print(tr('{what}: {seconds:.4f} sec', what=self.description, seconds=self.elapsed))
 
 
 def measure(fn, *args, repeats=None, sync=True, device=None, min_run_time=0.2):

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from comp_perf.language import course_language, tr
 from comp_perf.machine import num_gpus, usable_cores
 
 # Infrastructure: you need not read this part to follow the course. What to
@@ -141,6 +142,7 @@ def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300, show=False)
     nodes on a machine that has a GPU for every process, node i sees only its own
     GPUs (CUDA_VISIBLE_DEVICES, shown in its command line), as on separate machines:
     otherwise every node's LOCAL_RANK 0 would pick cuda:0, which NCCL refuses.
+    The script sees COURSE_LANG, so that its common.tr() speaks the notebook's language.
     """
     base = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nproc_per_node}']
     if nnodes == 1:
@@ -153,10 +155,13 @@ def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300, show=False)
     if show:
         for node, command in enumerate(commands):
             prefix = f'CUDA_VISIBLE_DEVICES={visible[node]} ' if visible[node] is not None else ''
-            print(f'node {node}: {prefix}' + shlex.join(['torchrun'] + command[3:]))
+            print(tr('node {node}: {command}', node=node, command=prefix + shlex.join(['torchrun'] + command[3:])))
     logs = [tempfile.TemporaryFile(mode='w+') for _ in commands]
+    # the script prints in the notebook's language: a Chinese notebook's language comes from its folder,
+    # which a script started elsewhere would not see
+    env = {**os.environ, 'COURSE_LANG': course_language()}
     procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                              env=None if gpus is None else {**os.environ, 'CUDA_VISIBLE_DEVICES': gpus},
+                              env=env if gpus is None else {**env, 'CUDA_VISIBLE_DEVICES': gpus},
                               start_new_session=hasattr(os, 'killpg'))
              for cmd, log, gpus in zip(commands, logs, visible)]
     def output(node):

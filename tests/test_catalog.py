@@ -18,7 +18,7 @@ PACKAGE = ROOT / 'comp_perf'
 sys.path.insert(0, str(ROOT / 'tools'))
 import nbpair  # noqa: E402
 
-CJK = re.compile(r'[\u3400-\u9fff]')
+CJK = re.compile(r'[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]')   # full-width punctuation counts: ', ' is '，'
 
 
 def module_group(path):

@@ -173,7 +173,7 @@ def test_verdict_speaks_chinese_and_can_show_a_comparison(monkeypatch, capsys, c
     # a notebook's texts come from the catalog
     common.verdict('time of sum(list) over torch.sum', 100.0,
                    [(math.inf, 'x', 'sum(list) handles one Python object per number: overhead-bound')])
-    assert capsys.readouterr().out.endswith('100.00× → sum(list) 每个数都要处理一个 Python 对象：受开销限制\n')
+    assert capsys.readouterr().out.endswith('100.00× → sum(list) 每个数都要处理一个 Python 对象，开销受限\n')
 
 
 def test_verdict_refuses_cases_that_cannot_decide():

@@ -34,6 +34,16 @@ def test_torchrun_two_nodes_meet_on_this_host(tmp_path):
     assert lines == ['node 0 rank 0 of 2', 'node 1 rank 1 of 2']
 
 
+def test_torchrun_tells_the_script_the_notebooks_language(tmp_path, monkeypatch):
+    """A Chinese notebook's language comes from its folder; the script learns it from COURSE_LANG."""
+    folder = tmp_path / 'notebooks' / 'zh'
+    folder.mkdir(parents=True)
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv('COURSE_LANG', raising=False)
+    job = _script(tmp_path, "print('language', os.environ.get('COURSE_LANG'), flush=True)\n")
+    assert 'language zh' in common.torchrun(job, timeout=120)[0].splitlines()
+
+
 def test_torchrun_failure_raises_with_the_scripts_error(tmp_path):
     job = _script(tmp_path, "raise SystemExit('the script broke on purpose')\n")
     with pytest.raises(RuntimeError, match='the script broke on purpose'):
