@@ -67,6 +67,9 @@ from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_
                                                 sharded_training, tensor_parallel_check,
                                                 bubble_fraction, pipeline_run, measured_bubble)
 
+# 09 Make one training step fast: the augmented dataset DataLoader workers import, step timing
+from comp_perf.s09_training_step import AugmentedImages, timed_steps
+
 # Behind the helpers above (no notebook calls these; other helpers, the set-up and the tools do)
 from comp_perf.language import CATALOG_FILE, course_language, read_catalog, zh_text, CJK_FONTS, cjk_font, in_notebook
 from comp_perf.machine import (CUDA_WARNINGS, TIER_TEXT, TIER_REAL, detect_tier, hardware_summary,
