@@ -150,7 +150,7 @@ def test_gpu_smoke_make_kit_keeps_one_wheel_per_pin(gpu_smoke, tmp_path, monkeyp
 
 def test_gpu_smoke_knows_which_notebooks_read_fashion_mnist(gpu_smoke):
     reading = {p.name[:2] for p in sorted((ROOT / 'notebooks' / 'en').glob('0*.ipynb')) if gpu_smoke.reads_data(p)}
-    assert reading == {'00', '05', '06', '07'}
+    assert reading == {'00', '05', '06', '07', '09'}
 
 
 def test_gpu_smoke_stops_before_the_run_without_kit_or_data(gpu_smoke):

@@ -61,7 +61,7 @@ network; the working tree travels, git-ignored paths only when named in a
     S=$(date +%s); python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
     timeout 150 python3 -m pytest -q tests/test_gpu.py --junitxml=$OUT/gpu-tests.xml;
-    python3 tools/gpu_smoke.py --out $OUT --started-at $S --notebooks 02 03 01 04 05 06 00 \
+    python3 tools/gpu_smoke.py --out $OUT --started-at $S --notebooks 02 03 01 04 05 06 09 00 \
         --cell-timeout 90 --hard-stop 540 --zip
 
    The tests take about a minute, the notebooks about 7 minutes on an H200;
