@@ -91,3 +91,13 @@ def test_compiled_gradients_equal_eager_and_the_check_catches_other_weights():
     torch.manual_seed(5)   # planted: the compiled model starts from other weights
     other = PAGE['ViT'](d=32, heads=2, layers=2, patch=7)
     assert PAGE['largest_difference'](PAGE['gradients'](torch.compile(other), X, y), eager) > 0.1
+
+
+def test_the_bf16_tolerance_check_catches_a_wrong_loss():
+    X, y = batch(32)
+    net = small_vit()
+    with torch.no_grad():
+        fp32 = F.cross_entropy(net(X), y).item()
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            wrong = F.cross_entropy(net(X), y, reduction='sum').item()   # planted: summed, not averaged
+    assert not abs(wrong - fp32) < 0.02 * max(1.0, abs(fp32))
