@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 import common
 
-PAGE = definitions('09-one-training-step', 'Block', 'ViT', 'gradients', 'largest_difference')
+PAGE = definitions('09-one-training-step', 'Block', 'ViT', 'gradients', 'largest_difference', 'autocast_dtype')
 
 
 def small_vit(**changes):
@@ -101,3 +101,12 @@ def test_the_bf16_tolerance_check_catches_a_wrong_loss():
         with torch.autocast('cpu', dtype=torch.bfloat16):
             wrong = F.cross_entropy(net(X), y, reduction='sum').item()   # planted: summed, not averaged
     assert not abs(wrong - fp32) < 0.02 * max(1.0, abs(fp32))
+
+
+def test_the_autocast_dtype_follows_the_device(monkeypatch):
+    choose = PAGE['autocast_dtype']
+    assert choose(torch.device('cpu')) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: True)    # an A100 or H100
+    assert choose(torch.device('cuda:0')) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: False)   # a V100 or T4: fp16 + GradScaler
+    assert choose(torch.device('cuda:0')) == torch.float16
