@@ -128,6 +128,12 @@ def test_prose_update_keeps_outputs_and_refuses_code_changes(tmp_path, monkeypat
     en = nbformat.read(nbpair.target(src, 'en'), as_version=4)
     assert 'new text' in en.cells[0].source and en.cells[1].outputs[0].text == '1\n'
     assert en.cells[0].metadata['slideshow']['slide_type'] == 'slide'
+    src.write_text(src.read_text(encoding='utf-8').replace('旧的文字\n', '旧的文字\n%% md\n## Part\n%% zh\n## 部分\n'),
+                   encoding='utf-8')
+    nbpair.update_prose(src)  # a markdown cell split at a heading: the code keeps its outputs
+    en = nbformat.read(nbpair.target(src, 'en'), as_version=4)
+    assert [c.cell_type for c in en.cells] == ['markdown', 'markdown', 'code'] and en.cells[2].outputs[0].text == '1\n'
+    assert en.cells[1].metadata['slideshow']['slide_type'] == 'slide'
     src.write_text(src.read_text(encoding='utf-8').replace('print(1)', 'print(2)'), encoding='utf-8')
     with pytest.raises(SystemExit, match='run `build` instead'):
         nbpair.update_prose(src)
@@ -190,3 +196,39 @@ def test_shown_source_is_current(name, lang):
         for helper, output in zip(calls, shown):
             assert inspect.getsource(getattr(common, helper)) in output, \
                 f'{lang}/{name}: the stored source of common.{helper} is stale; rebuild the notebook'
+
+
+HEADING = re.compile(r'^#{1,6} ')
+
+
+def headings_inside_cells(text):
+    """Headings of a markdown cell's text that are not its first line (outside code and <details>).
+
+    The navigation line at the top of a notebook may stand above its title.
+    """
+    found, fence, details, seen = [], False, 0, []
+    for line in text.split('\n'):
+        if line.lstrip().startswith('```'):
+            fence = not fence
+        if not fence:
+            details += line.count('<details') - line.count('</details>')
+            if details == 0 and HEADING.match(line) and seen and not \
+               (len(seen) == 1 and seen[0].startswith('[') and '](' in seen[0]):
+                found.append(line)
+        if line.strip():
+            seen.append(line)
+    return found
+
+
+@pytest.mark.parametrize('src', nbpair.sources(), ids=lambda p: p.stem)
+def test_every_heading_starts_a_cell(src):
+    """So that every section, subsection and Summary starts its own slide."""
+    inside = [(lang, h) for cell in nbpair.parse(src) if cell['type'] == 'md'
+              for lang in nbpair.LANGS for h in headings_inside_cells(cell[lang])]
+    assert not inside, f'headings in the middle of a cell (split the cell there): {inside[:5]}'
+
+
+def test_heading_check_finds_a_heading_mid_cell():
+    assert headings_inside_cells('Some text\n## Summary\nmore') == ['## Summary']
+    assert headings_inside_cells('[← 02](x.ipynb) · [map](y.ipynb)\n\n# 03 Title\ntext') == []
+    assert headings_inside_cells('## Title\n```\n# a comment\n```\n<details>\n### Hint\n</details>') == []

@@ -202,24 +202,31 @@ def build(src, execute=True, timeout=600):
 def update_prose(src):
     """Copy the markdown of a source into its built pair without re-running the code.
 
-    For corrections of the text only: refuses if any code cell, tag or the
-    cell structure has changed, since those need a new run (`build`).
+    For corrections of the text only: markdown cells may be edited, split at a
+    heading, added or removed, but the code cells (their order, text and tags)
+    must be those of the last run; each keeps its stored outputs. Anything else
+    needs a new run (`build`).
     """
     cells = parse(src)
     paths = [target(src, lang) for lang in LANGS]
     notebooks = [nbformat.read(p, as_version=4) for p in paths]
+    rebuilt = []
     for lang, nb in zip(LANGS, notebooks):
-        want = make_notebook(cells, lang).cells
-        if [(c.cell_type, c.metadata.get('tags', [])) for c in nb.cells] != \
-           [(c.cell_type, c.metadata.get('tags', [])) for c in want] or \
-           [c.source for c in nb.cells if c.cell_type == 'code'] != \
-           [c.source for c in want if c.cell_type == 'code']:
-            raise SystemExit(f'{Path(src).name}: code or structure changed; run `build` instead.')
-        for have, new in zip(nb.cells, want):
-            if have.cell_type == 'markdown':
-                have.source = new.source
-    set_slides(notebooks)
-    for path, nb in zip(paths, notebooks):
+        want = make_notebook(cells, lang)
+        old_code = [c for c in nb.cells if c.cell_type == 'code']
+        new_code = [c for c in want.cells if c.cell_type == 'code']
+        if [(c.source, c.metadata.get('tags', [])) for c in old_code] != \
+           [(c.source, c.metadata.get('tags', [])) for c in new_code]:
+            raise SystemExit(f'{Path(src).name}: code or its tags changed; run `build` instead.')
+        for old, new in zip(old_code, new_code):
+            new.outputs, new.execution_count = old.outputs, old.execution_count
+            new.metadata = {**old.metadata, 'tags': new.metadata.get('tags', [])}
+            if not new.metadata['tags']:
+                del new.metadata['tags']
+        want.metadata = nb.metadata
+        rebuilt.append(want)
+    set_slides(rebuilt)
+    for path, nb in zip(paths, rebuilt):
         nbformat.write(nb, path)
 
 
