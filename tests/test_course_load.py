@@ -1,0 +1,59 @@
+"""The course's load: no long stretch of prose without something to run or see, and every
+section within the lecture time the instructor's guide gives it (estimated from the stored
+English notebook by comp_perf.course_load)."""
+import re
+
+import nbformat
+import pytest
+
+from comp_perf import course_load
+from notebook_code import ROOT
+
+SECTIONS = sorted((ROOT / 'notebooks' / 'en').glob('[0-9][0-9]-*.ipynb'))
+
+
+def guide_minutes():
+    """{'04': 60, …} from the Timing table of the instructor's guide (English)."""
+    text = (ROOT / 'notebooks' / 'src' / 'instructors.txt').read_text(encoding='utf-8')
+    return {m[1]: int(m[2]) for m in re.finditer(r'^\| (\d\d) [^|]+\| (\d+) min \|', text, re.M)}
+
+
+@pytest.mark.parametrize('path', SECTIONS, ids=lambda p: p.stem[:2])
+def test_no_long_prose_stretch(path):
+    cells = nbformat.read(path, as_version=4).cells
+    long = [(words, f'c{first:03d}–c{last:03d}') for words, first, last in course_load.stretches(cells)
+            if words > course_load.MAX_STRETCH_WORDS]
+    assert not long, (f'prose without a runnable cell or figure for more than {course_load.MAX_STRETCH_WORDS} '
+                      f'words (fold reference material into <details>, or add a cell): {long}')
+
+
+@pytest.mark.parametrize('path', SECTIONS, ids=lambda p: p.stem[:2])
+def test_section_fits_its_guide_time(path):
+    given = guide_minutes()
+    assert path.stem[:2] in given, f'the guide gives no lecture time for {path.stem}'
+    minutes = course_load.notebook_load(path)['minutes']
+    assert minutes <= given[path.stem[:2]], \
+        f'{path.stem}: about {minutes:.0f} min to read and run, the guide gives {given[path.stem[:2]]} min'
+
+
+def test_folded_text_and_code_blocks_are_not_counted():
+    text = 'one two three\n```\nnot these words\n```\n<details><summary>x</summary>\nhidden <details>deep</details> text\n</details>'
+    assert course_load.prose_words(text) == 3
+    assert course_load.prose_words('[a link](x.ipynb) and ![a picture](p.png)') == 3  # alt text is not read
+
+
+def test_stretches_break_at_code_and_figures_and_stop_at_the_summary():
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    cells = [md('a ' * 200), md('b ' * 200), code('x = 1'), md('c ' * 100), md('![f](f.png)'), md('d ' * 50),
+             md('## 5 Summary\n' + 'e ' * 500)]
+    assert course_load.stretches(cells) == [(400, 0, 1), (100, 3, 3), (50, 5, 5)]
+
+
+def test_load_estimate():
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    cell = code('a = 1\n\nb = 2\n')
+    cell.metadata['execution'] = {'iopub.execute_input': '2026-12-01T10:00:00Z',
+                                  'shell.execute_reply': '2026-12-01T10:00:30Z'}
+    result = course_load.load([md('w ' * 300), cell])
+    assert (result['words'], result['code_lines'], result['seconds']) == (300, 2, 30)
+    assert result['minutes'] == pytest.approx(2 + 2 / 15 + 0.5)
