@@ -57,3 +57,29 @@ def test_load_estimate():
     result = course_load.load([md('w ' * 300), cell])
     assert (result['words'], result['code_lines'], result['seconds']) == (300, 2, 30)
     assert result['minutes'] == pytest.approx(2 + 2 / 15 + 0.5)
+
+
+WIDGET = 'application/vnd.jupyter.widget-view+json'
+
+
+def widget_cells_without_figure(cells):
+    """Indices of code cells that show a slider or calculator but store no static image beside it."""
+    return [i for i, c in enumerate(cells) if c.cell_type == 'code'
+            and any(WIDGET in out.get('data', {}) for out in c.get('outputs', []))
+            and not course_load.has_figure(c)]
+
+
+@pytest.mark.parametrize('path', SECTIONS + sorted((ROOT / 'notebooks' / 'zh').glob('[0-9][0-9]-*.ipynb')),
+                         ids=lambda p: f'{p.parent.name}-{p.stem[:2]}')
+def test_every_slider_cell_draws_a_static_figure(path):
+    """Decks and HTML pages have no kernel: a slider's cell must also store a picture."""
+    missing = widget_cells_without_figure(nbformat.read(path, as_version=4).cells)
+    assert not missing, f'slider/calculator cells without a static figure: {missing}'
+
+
+def test_slider_check_sees_a_widget_without_figure():
+    cell = nbformat.v4.new_code_cell('interact(f)')
+    cell.outputs = [nbformat.v4.new_output('display_data', data={WIDGET: {}, 'text/plain': 'w'})]
+    assert widget_cells_without_figure([cell]) == [0]
+    cell.outputs.append(nbformat.v4.new_output('display_data', data={'image/png': 'iVBOR'}))
+    assert widget_cells_without_figure([cell]) == []
