@@ -12,12 +12,14 @@ page; a module holds only what a later section, a widget or a new process must
 import. tests/test_map.py keeps this file true: each name sits in the group of
 the first section that uses it.
 """
-# 00 Start here: the reader's language, devices, tiers and settings, timing, verdicts, processes, data
+# 00 Start here: the reader's language, devices, tiers and settings, timing, verdicts, processes, data,
+# the book's d2l helpers beside the course's
 from comp_perf.language import tr
 from comp_perf.machine import num_gpus, try_gpu, gpu, try_all_gpus, environment_report, settings
 from comp_perf.measure import Benchmark, measure, verdict
 from comp_perf.processes import launch, allreduce_check
 from comp_perf.fashion_mnist import FASHION_LABELS, load_data_fashion_mnist
+from comp_perf.s00_book_helpers import d2l_torch, compare_with_d2l, benchmark_side_by_side
 
 # 01 Compilers and interpreters: silence what C++ libraries print around the profiler; tables aligned by
 # display width (a Chinese character takes two columns)
@@ -82,3 +84,6 @@ from comp_perf.s06_ddp import Residual
 from comp_perf.s07_ring import RING_ALGORITHMS
 from comp_perf.s08_beyond_data_parallel import (local_bytes, count_collectives, mlp_block, pipeline_model,
                                                 pipeline_stage_part)
+from comp_perf.s00_book_helpers import D2L_VERSION, DIFFERENCES, CHECKS
+from comp_perf.course_load import (WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MAX_STRETCH_WORDS, without_folded,
+                                   prose_words, has_figure, cell_seconds, stretches, load, notebook_load)

@@ -77,7 +77,7 @@ def load(cells):
     code = sum(1 for c in cells if c.cell_type == 'code' for line in c.source.splitlines() if line.strip())
     seconds = sum(cell_seconds(c) for c in cells if c.cell_type == 'code')
     minutes = words / WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE + seconds / 60
-    return {'words': words, 'code_lines': code, 'seconds': seconds, 'minutes': minutes}
+    return {'words': words, 'code_lines': code, 'run_seconds': seconds, 'minutes': minutes}
 
 
 def notebook_load(path):

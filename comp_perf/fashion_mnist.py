@@ -145,6 +145,8 @@ def load_data_fashion_mnist(batch_size, *, subset=None, root=None, download=True
 
     `subset` keeps that many training examples. The data already sits in
     memory, so the loaders use no worker processes.
+    d2l: finds an installed copy first and never starts worker processes; d2l's downloads into ../data and reads
+         with 4 workers.
     """
     train, test = fashion_mnist_datasets(subset, root, download)
     return (torch.utils.data.DataLoader(train, batch_size, shuffle=True),

@@ -51,6 +51,7 @@ def num_gpus():
 
     Every decision the course makes about GPUs goes through torch.cuda's
     is_available() and device_count(): the tests fake a GPU count there.
+    d2l: the same count as d2l's, read through torch.cuda.is_available() first.
     """
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -61,13 +62,19 @@ def _check_index(i):
 
 
 def try_gpu(i=0):
-    """Return cuda:i if it exists, otherwise the CPU."""
+    """Return cuda:i if it exists, otherwise the CPU.
+
+    d2l: the same choice as d2l's, and a negative index is an error.
+    """
     _check_index(i)
     return torch.device(f'cuda:{i}') if i < num_gpus() else torch.device('cpu')
 
 
 def gpu(i=0):
-    """Return cuda:i, or raise a clear error when this machine has no such GPU."""
+    """Return cuda:i, or raise a clear error when this machine has no such GPU.
+
+    d2l: raises a clear error for a GPU this machine does not have; d2l's returns the device unchecked.
+    """
     _check_index(i)
     n = num_gpus()
     if i >= n:
@@ -78,7 +85,10 @@ def gpu(i=0):
 
 
 def try_all_gpus():
-    """All GPUs as a list; [cpu] when there is none (never empty)."""
+    """All GPUs as a list; [cpu] when there is none (never empty).
+
+    d2l: returns [cpu] on a machine without a GPU, where d2l's returns an empty list.
+    """
     return [torch.device(f'cuda:{i}') for i in range(num_gpus())] or [torch.device('cpu')]
 
 
@@ -148,6 +158,15 @@ def unusable_gpus():
     return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
 
 
+def _d2l_version():
+    """The installed d2l release (the book's package), or None; read without importing it."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version('d2l')
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def environment_report(data_root=None):
     """Print what this machine is and what the course can do for real on it."""
     info = hardware_summary()
@@ -172,6 +191,7 @@ def environment_report(data_root=None):
                              threads=info['torch_threads'])),
         ('GPU', gpus),
         ('Fashion-MNIST', data or tr('NOT FOUND (sections 05-06 need it; see README)')),
+        ('d2l', _d2l_version() or tr("NOT INSTALLED (the book's helpers; './course setup' installs them, see README)")),
         (tr('C++ compiler'), compiler or tr(
             'NOT FOUND: torch.compile cannot build CPU kernels (see README)')),
         (tr('tier'), tr('{tier}: {name}', tier=tier, name=tr(TIER_TEXT[tier]))),

@@ -39,7 +39,10 @@ def synchronize(device=None):
 
 
 class Timer:
-    """Record several running times (d2l's Timer)."""
+    """Record several running times (d2l's Timer).
+
+    d2l: time.perf_counter (monotonic, fine-grained) instead of d2l's time.time (wall clock).
+    """
 
     def __init__(self):
         self.times = []
@@ -69,6 +72,7 @@ class Benchmark:
     sync=False stops the clock without waiting for queued GPU work: it then
     measures how long it took to *submit* the work (notebook 02 shows why).
     The description is printed as given: pass it through tr().
+    d2l: synchronises the device at both ends; d2l's stops the clock while GPU work may still be queued.
     """
 
     def __init__(self, description='Done', device=None, verbose=True, sync=True):

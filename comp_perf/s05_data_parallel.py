@@ -78,7 +78,10 @@ def step_tolerance(dtype=torch.float32, device='cpu'):
 
 
 def accuracy(y_hat, y):
-    """Number of correct predictions (y_hat holds logits or class indices)."""
+    """Number of correct predictions (y_hat holds logits or class indices).
+
+    d2l: the same count as d2l's; kept so that worker processes need not import d2l (pandas, scipy).
+    """
     if y_hat.ndim > 1 and y_hat.shape[1] > 1:
         y_hat = y_hat.argmax(dim=1)
     return float((y_hat.type(y.dtype) == y).sum())
@@ -106,6 +109,8 @@ class Animator:
     or under torchrun nothing is shown and .fig can be saved at the end.
     Outside a notebook it draws on a plain matplotlib Figure, so it never
     changes matplotlib's backend behind the caller's back.
+    d2l: redraws one figure in place and never changes matplotlib's output format; d2l's switches every figure
+         to SVG (use_svg_display).
     """
 
     def __init__(self, xlabel=None, ylabel=None, legend=(), xlim=None, ylim=None,
@@ -160,7 +165,10 @@ class Animator:
 
 
 def sgd(params, lr, batch_size):
-    """One SGD step in place, for gradients summed over `batch_size` examples; zero the gradients."""
+    """One SGD step in place, for gradients summed over `batch_size` examples; zero the gradients.
+
+    d2l: the same update as d2l's; kept so that worker processes need not import d2l (pandas, scipy).
+    """
     with torch.no_grad():
         for p in params:
             p -= lr * p.grad / batch_size

@@ -18,6 +18,7 @@ class Residual(torch.nn.Module):
     """A ResNet basic block: two 3×3 convolutions with batch norm, plus a (projected) shortcut.
 
     Used by resnet18() (06).
+    d2l: takes its input channels explicitly (no lazy layers), so that DDP can wrap the model at once.
     """
 
     def __init__(self, in_channels, out_channels, stride=1):
@@ -37,7 +38,10 @@ class Residual(torch.nn.Module):
 
 
 def resnet18(num_classes=10, width=64, in_channels=1):
-    """ResNet-18 for 28×28 inputs: a 3×3 stem without max-pool, stages of width w, 2w, 4w, 8w."""
+    """ResNet-18 for 28×28 inputs: a 3×3 stem without max-pool, stages of width w, 2w, 4w, 8w.
+
+    d2l: has a width parameter (the CPU settings use a narrow one); d2l's is fixed at 64 channels.
+    """
     nn = torch.nn
     layers = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
     channels = width

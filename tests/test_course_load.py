@@ -37,7 +37,8 @@ def test_section_fits_its_guide_time(path):
 
 
 def test_folded_text_and_code_blocks_are_not_counted():
-    text = 'one two three\n```\nnot these words\n```\n<details><summary>x</summary>\nhidden <details>deep</details> text\n</details>'
+    text = ('one two three\n```\nnot these words\n```\n'
+            '<details><summary>x</summary>\nhidden <details>deep</details> text\n</details>')
     assert course_load.prose_words(text) == 3
     assert course_load.prose_words('[a link](x.ipynb) and ![a picture](p.png)') == 3  # alt text is not read
 
@@ -55,7 +56,7 @@ def test_load_estimate():
     cell.metadata['execution'] = {'iopub.execute_input': '2026-12-01T10:00:00Z',
                                   'shell.execute_reply': '2026-12-01T10:00:30Z'}
     result = course_load.load([md('w ' * 300), cell])
-    assert (result['words'], result['code_lines'], result['seconds']) == (300, 2, 30)
+    assert (result['words'], result['code_lines'], result['run_seconds']) == (300, 2, 30)
     assert result['minutes'] == pytest.approx(2 + 2 / 15 + 0.5)
 
 

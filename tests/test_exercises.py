@@ -52,9 +52,8 @@ def test_exercises_are_labelled_and_checkable(src):
     found = []
     for cell in cells:
         found += problems(cell['en'], 'en') + problems(cell['zh'], 'zh')
-        assert LABEL['en'].findall(cell['en']) and \
-            [lab[1:] for lab in LABEL['en'].findall(cell['en'])] == [lab[1:] for lab in LABEL['zh'].findall(cell['zh'])], \
-            f'{src.name}: difficulty and minutes must agree between the languages'
+        en, zh = ([lab[1:] for lab in LABEL[lang].findall(cell[lang])] for lang in ('en', 'zh'))
+        assert en and en == zh, f'{src.name}: difficulty and minutes must agree between the languages'
     assert not found, found
 
 
