@@ -37,6 +37,9 @@ from comp_perf.pictures import plot_timeline
 
 # 04 Hardware: cache steps, compiled C, GPU datasheets
 from comp_perf.s04_hardware import cache_knees, compile_c, GPU_DATASHEETS, gpu_datasheet
+from comp_perf.s04_hardware import cpu_facts, describe_cpu, plot_by_size, report_cache_sweep, plot_strides
+from comp_perf.s04_hardware import plot_roofline, gpu_rate_table, plot_ladder, plot_busy_cells
+from comp_perf.s04_hardware import plot_utilisation
 
 # 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker
 from comp_perf.measure import Timer

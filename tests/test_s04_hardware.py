@@ -84,3 +84,42 @@ def test_gpu_datasheet_rows_match_the_device_names_torch_reports(name, bf16, mem
 def test_gpu_datasheet_does_not_guess():
     assert common.gpu_datasheet('NVIDIA L40S') is None            # not the L4
     assert common.gpu_datasheet('NVIDIA GeForce RTX 4090') is None
+
+
+def test_cpu_facts_reports_what_the_page_prints():
+    facts = common.cpu_facts()
+    assert set(facts) == {'model', 'cores', 'threads', 'clock_ghz', 'clock_source', 'vector_bits', 'fma', 'caches'}
+    assert facts['cores'] >= 1 and facts['threads'] >= facts['cores']
+    assert facts['clock_source'] in (None, 'current, /proc/cpuinfo', 'maximum, cpufreq')
+    assert all(level.startswith('L') and size > 0 for level, size in facts['caches'].items())
+
+
+def test_the_plots_and_print_outs_run_and_say_what_they_measured(capsys, monkeypatch):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    monkeypatch.setattr(plt, 'show', lambda: plt.close('all'))
+    caches = {'L1': 2**15, 'L2': 2**20}
+    sizes = [2 ** p for p in range(12, 24)]
+    rates = [100, 100, 100, 100, 60, 60, 60, 60, 60, 20, 20, 20]
+    common.plot_by_size(sizes, rates, caches, label='read', ylabel='GB/s', title='sweep')
+    common.plot_by_size(sizes, rates, caches, label='chase', ylabel='ns', title='latency', log_y=True)
+    common.report_cache_sweep(sizes, rates, common.cache_knees(sizes, rates), caches)
+    common.plot_strides([1, 2, 4, 8, 16], [1e-10, 2e-10, 4e-10, 8e-10, 1.6e-9])
+    points = {'a + b': (1 / 12, 5.0), 'matmul 256': (42.7, 200.0)}
+    common.plot_roofline(points, compute_roof=220.0, bandwidth=50.0, peak=330.0)
+    common.plot_ladder([('L1 cache reference', 1.5e-9, 1e-9), ('one {n}×{n} float32 matmul', None, 0.07)], n=2048)
+    common.gpu_rate_table('NVIDIA H100 80GB HBM3', {'bf16': 700.0, 'pinned': 50.0},
+                          common.gpu_datasheet('NVIDIA H100 80GB HBM3'))
+    common.gpu_rate_table('Some GPU', {'fp32': 10.0}, None)
+    common.describe_cpu(common.cpu_facts())
+    common.plot_busy_cells([[[True, False], [False, False]], [[True, True], [True, False]]], 'busy cells')
+    common.plot_utilisation([1, 2, 4], [0.01, 0.1, 0.4], array=4)
+    out = capsys.readouterr().out
+    assert 'knees found (first size that is clearly slower): 64 KiB, 2 MiB' in out
+    assert 'L2: ' in out and '(does not): -67%' in out    # 60 GB/s inside L2, 20 outside
+    assert 'ridge at 4.4 FLOP/byte' in out and '(memory-bound)' in out and '(compute-bound)' in out
+    assert 'one 2048×2048 float32 matmul' in out and '70.0 ms' in out and 'textbook 1.5 ns' in out
+    assert '989.5   71%' in out                            # 700 of the H100's 989.5 dense BF16 TFLOP/s
+    assert 'not in common.GPU_DATASHEETS' in out
+    assert 'physical cores' in out and 'data caches: ' in out and 'GPU: ' in out
