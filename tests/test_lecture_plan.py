@@ -126,9 +126,19 @@ def guide_cells():
     return [c for c in nbpair.parse(GUIDE) if c['type'] == 'md']
 
 
+def lecture_text(number):
+    """{'en': …, 'zh': …}: the guide's cells from "### Lecture n" up to the next heading."""
+    cells = guide_cells()
+    first = next((i for i, c in enumerate(cells) if c['en'].startswith(f'### Lecture {number} ')), None)
+    if first is None:
+        return None
+    end = next((i for i in range(first + 1, len(cells)) if cells[i]['en'].startswith('#')), len(cells))
+    return {lang: '\n\n'.join(c[lang] for c in cells[first:end]) for lang in ('en', 'zh')}
+
+
 @pytest.mark.parametrize('lecture', lp.LECTURES, ids=lambda lec: f'lecture-{lec.number}')
 def test_the_guide_gives_each_lecture_its_homework_and_a_five_question_quiz(lecture):
-    cell = next((c for c in guide_cells() if c['en'].startswith(f'### Lecture {lecture.number} ')), None)
+    cell = lecture_text(lecture.number)
     assert cell, f'the guide has no "### Lecture {lecture.number} …" cell'
     assert cell['zh'].startswith(f'### 第 {lecture.number} 讲'), cell['zh'][:40]
     assert f'**Homework:** {homework_text(lecture, "en")}\n' in cell['en'] + '\n'
