@@ -75,6 +75,13 @@ from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_
 # 09 Make one training step fast: the augmented dataset DataLoader workers import, step timing
 from comp_perf.s09_training_step import AugmentedImages, timed_steps
 
+# guide Instructor's guide: each section's estimated minutes, and the lecture plan checked against the stored notebooks
+from comp_perf.course_load import (WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MAX_STRETCH_WORDS, cell_seconds,
+                                   notebook_load)
+from comp_perf.lecture_plan import (LECTURE_MINUTES, QUIZ_MINUTES, DISCUSSION_MINUTES, MATERIAL_MINUTES,
+                                    LECTURES, SIX_LECTURES, CUT_DROPS, stored_notebooks, headings,
+                                    lecture_load, plan_problems)
+
 # Behind the helpers above (no notebook calls these; other helpers, the set-up and the tools do)
 from comp_perf.language import CATALOG_FILE, course_language, read_catalog, zh_text, CJK_FONTS, cjk_font, in_notebook
 from comp_perf.machine import (CUDA_WARNINGS, TIER_TEXT, TIER_REAL, detect_tier, hardware_summary,
@@ -88,5 +95,5 @@ from comp_perf.s07_ring import RING_ALGORITHMS
 from comp_perf.s08_beyond_data_parallel import (local_bytes, count_collectives, mlp_block, pipeline_model,
                                                 pipeline_stage_part)
 from comp_perf.s00_book_helpers import D2L_VERSION, DIFFERENCES, CHECKS
-from comp_perf.course_load import (WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MAX_STRETCH_WORDS, without_folded,
-                                   prose_words, has_figure, cell_seconds, stretches, load, notebook_load)
+from comp_perf.course_load import without_folded, prose_words, has_figure, stretches, load
+from comp_perf.lecture_plan import Part, Lecture, taught_sections, resolve, exercise_numbers

@@ -1,0 +1,222 @@
+"""The instructor's guide's lecture plan, as data, and its checks against the stored notebooks.
+
+Nine 90-minute lectures cover sections 00–09; a six-lecture cut merges some of them
+and drops named sections. A lecture is a list of parts, each (notebook stem, first
+`##` heading, last `##` heading), the headings written without their number, so that a
+section inserted or renumbered elsewhere moves no part. A part runs from its first
+heading's cell (from the notebook's first cell when that heading is the first section)
+to the cell before the `##` heading that follows its last one. Its minutes are
+course_load's estimate over those cells of the stored English notebook, which counts
+their stored run time.
+
+The rule each lecture must meet: its material fits in MATERIAL_MINUTES, which leaves
+QUIZ_MINUTES for the five-question quiz and DISCUSSION_MINUTES for questions and
+discussion out of LECTURE_MINUTES. plan_problems() returns what breaks the plan
+(tests/test_lecture_plan.py runs it, and plants a bug for each check).
+"""
+import re
+from collections import namedtuple
+from pathlib import Path
+
+import nbformat
+
+from comp_perf import course_load
+
+LECTURE_MINUTES = 90
+QUIZ_MINUTES = 10
+DISCUSSION_MINUTES = 5
+MATERIAL_MINUTES = LECTURE_MINUTES - QUIZ_MINUTES - DISCUSSION_MINUTES   # 75
+
+Part = namedtuple('Part', 'stem first last')
+# homework: ((section, exercise number), ...); merges: the lectures of the nine a cut lecture joins
+Lecture = namedtuple('Lecture', 'number parts homework merges', defaults=((),))
+
+_CLOSING = {'Summary', 'Exercises', '小结', '练习'}
+
+LECTURES = [
+    Lecture(1, [Part('00-start-here', 'Course map', 'How to read a measurement'),
+                Part('01-compilers-and-interpreters', 'Imperative programming', 'Summary')],
+            homework=(('00', 2), ('01', 1), ('01', 3))),
+    Lecture(2, [Part('02-asynchronous-computation', 'Asynchrony through the back end', 'Summary')],
+            homework=(('02', 1), ('02', 2), ('02', 3))),
+    Lecture(3, [Part('03-automatic-parallelism', 'Parallel computation on GPUs', 'Summary'),
+                Part('04-hardware', 'The computer', 'Memory')],
+            homework=(('03', 1), ('03', 2), ('03', 3))),
+    Lecture(4, [Part('04-hardware', 'Caches, and how to find them', 'Summary')],
+            homework=(('04', 2), ('04', 4), ('04', 6), ('04', 7))),
+    Lecture(5, [Part('05-multi-gpu-from-scratch', 'Splitting the problem', 'Summary'),
+                Part('06-multi-gpu-concise', 'A ResNet-18 for 28×28 images', '`nn.DataParallel`')],
+            homework=(('05', 2), ('05', 4), ('05', 5))),
+    Lecture(6, [Part('06-multi-gpu-concise', '`DistributedDataParallel` under `torchrun`', 'Summary')],
+            homework=(('06', 1), ('06', 2), ('06', 3))),
+    Lecture(7, [Part('07-parameter-servers', 'Where should the gradients be added up?', 'Summary')],
+            homework=(('07', 1), ('07', 3), ('07', 4))),
+    Lecture(8, [Part('08-beyond-data-parallelism', 'Memory is the constraint',
+                     'Pipeline parallelism: splitting the layers into stages')],
+            homework=(('08', 1), ('08', 2), ('08', 3))),
+    Lecture(9, [Part('08-beyond-data-parallelism', 'Choosing', 'Summary'),
+                Part('09-one-training-step', 'The model and its cost', 'Summary')],
+            homework=(('09', 1), ('09', 2), ('09', 3))),
+]
+
+# The six-lecture cut: lectures of the nine merged, these sections dropped (shown from the
+# stored outputs or left for reading).
+CUT_DROPS = [
+    ('02-asynchronous-computation', 'What the profiler sees'),
+    ('03-automatic-parallelism', 'Parallel computation on GPUs'),
+    ('03-automatic-parallelism', 'The dependency graph of a training step'),
+    ('04-hardware', 'Storage'),
+    ('04-hardware', 'Networks and buses'),
+    ('04-hardware', 'A systolic array, cycle by cycle'),
+    ('05-multi-gpu-from-scratch', 'Results'),
+    ('06-multi-gpu-concise', '`nn.DataParallel`'),
+    ('07-parameter-servers', 'Training on many machines'),
+    ('07-parameter-servers', 'The key–value store'),
+    ('07-parameter-servers', 'A parameter server over real processes'),
+    ('07-parameter-servers', 'When a process dies'),
+    ('09-one-training-step', 'Memory for time'),
+]
+
+SIX_LECTURES = [
+    Lecture(1, LECTURES[0].parts, LECTURES[0].homework, merges=(1,)),
+    Lecture(2, [Part('02-asynchronous-computation', 'Asynchrony through the back end', 'Barriers and blockers'),
+                Part('02-asynchronous-computation', 'Summary', 'Summary'),
+                Part('03-automatic-parallelism', 'Overlapping computation and communication',
+                     'On the CPU: the nearest equivalents')],
+            homework=(('02', 2), ('02', 3), ('03', 1)), merges=(2, 3)),
+    Lecture(3, [Part('04-hardware', 'The computer', 'Memory'),
+                Part('04-hardware', 'Caches, and how to find them', 'Caches, and how to find them'),
+                Part('04-hardware', 'CPUs', 'GPUs and other accelerators'),
+                Part('04-hardware', 'The latency ladder', 'Summary')],
+            homework=(('04', 2), ('04', 4), ('04', 7)), merges=(3, 4)),
+    Lecture(4, [Part('05-multi-gpu-from-scratch', 'Splitting the problem',
+                     'Real parallelism on a CPU: one process per replica'),
+                Part('05-multi-gpu-from-scratch', 'Summary', 'Summary'),
+                Part('06-multi-gpu-concise', 'A ResNet-18 for 28×28 images', 'A ResNet-18 for 28×28 images'),
+                Part('06-multi-gpu-concise', '`DistributedDataParallel` under `torchrun`', 'Summary')],
+            homework=(('05', 2), ('06', 1), ('06', 2)), merges=(5, 6)),
+    Lecture(5, [Part('07-parameter-servers', 'Where should the gradients be added up?',
+                     'A ring all-reduce for real'),
+                Part('07-parameter-servers', 'Summary', 'Summary'),
+                Part('08-beyond-data-parallelism', 'Memory is the constraint',
+                     'Sharded data parallelism: the parameter server inside data parallelism')],
+            homework=(('07', 1), ('07', 4), ('08', 1)), merges=(7, 8)),
+    Lecture(6, [Part('08-beyond-data-parallelism', 'Tensor parallelism: splitting one layer', 'Summary'),
+                Part('09-one-training-step', 'The model and its cost', 'Compilation'),
+                Part('09-one-training-step', 'The scorecard', 'Summary')],
+            homework=(('08', 3), ('09', 1), ('09', 3)), merges=(8, 9)),
+]
+
+
+def stored_notebooks(folder):
+    """{stem: cells} of the stored numbered notebooks in a folder (notebooks/en or notebooks/zh)."""
+    return {p.stem: nbformat.read(p, as_version=4).cells for p in sorted(Path(folder).glob('[0-9][0-9]-*.ipynb'))}
+
+
+def headings(cells):
+    """[(cell index, heading without its number)] of the `##` headings, each the first line of its cell."""
+    found = []
+    for i, cell in enumerate(cells):
+        first = cell.source.lstrip().split('\n', 1)[0] if cell.cell_type == 'markdown' else ''
+        match = re.match(r'## (?:\d+ )?(.+?)\s*$', first)
+        if match:
+            found.append((i, match.group(1)))
+    return found
+
+
+def taught_sections(cells):
+    """The `##` sections a lecture must cover: those before the Summary (or the Exercises)."""
+    found = []
+    for i, name in headings(cells):
+        if name in _CLOSING:
+            break
+        found.append((i, name))
+    return found
+
+
+def resolve(cells, part):
+    """(first cell, last cell) of a part in a notebook's cells; KeyError names a heading that is not there."""
+    heads = headings(cells)
+    names = [name for _, name in heads]
+    for name in (part.first, part.last):
+        if name not in names:
+            raise KeyError(f'{part.stem} has no section "{name}"')
+    a, b = names.index(part.first), names.index(part.last)
+    if b < a:
+        raise KeyError(f'{part.stem}: "{part.last}" comes before "{part.first}"')
+    start = 0 if a == 0 else heads[a][0]
+    end = heads[b + 1][0] - 1 if b + 1 < len(heads) else len(cells) - 1
+    return start, end
+
+
+def lecture_load(notebooks, lecture):
+    """course_load.load() over a lecture's cells, with 'ranges': [(stem, first cell, last cell)]."""
+    cells, ranges = [], []
+    for part in lecture.parts:
+        start, end = resolve(notebooks[part.stem], part)
+        ranges.append((part.stem, start, end))
+        cells += notebooks[part.stem][start:end + 1]
+    result = course_load.load(cells)
+    result['ranges'] = ranges
+    return result
+
+
+def exercise_numbers(cells):
+    """Numbers of the exercises in a notebook's Exercises cell (the items before the first solution)."""
+    for cell in cells:
+        first = cell.source.lstrip().split('\n', 1)[0] if cell.cell_type == 'markdown' else ''
+        if re.match(r'## (?:\d+ )?(Exercises|练习)\s*$', first):
+            return [int(n) for n in re.findall(r'^(\d+)\. ', cell.source.split('<details>')[0], re.M)]
+    return []
+
+
+def plan_problems(english, chinese, lectures, drops=()):
+    """What breaks a plan, as sentences (empty when it holds).
+
+    Every taught section of every notebook in exactly one lecture (or, for a cut, listed in
+    `drops`); every heading a part names present in both languages at the same cell; every
+    lecture's estimate within MATERIAL_MINUTES; every homework exercise present in both.
+    """
+    problems, seen = [], {}
+    by_section = {stem[:2]: stem for stem in english}
+    for lecture in lectures:
+        for part in lecture.parts:
+            if part.stem not in english or part.stem not in chinese:
+                problems.append(f'lecture {lecture.number}: no stored notebook {part.stem}')
+                continue
+            try:
+                start, end = resolve(english[part.stem], part)
+            except KeyError as missing:
+                problems.append(f'lecture {lecture.number}: {missing.args[0]}')
+                continue
+            zh = dict(headings(chinese[part.stem]))
+            for name in (part.first, part.last):
+                i = dict((n, i) for i, n in headings(english[part.stem]))[name]
+                if i not in zh:
+                    problems.append(f'lecture {lecture.number}: "{name}" of {part.stem} (c{i:03d}) '
+                                    'has no `##` heading at the same cell in Chinese')
+            for i, name in taught_sections(english[part.stem]):
+                if start <= i <= end:
+                    seen.setdefault((part.stem, name), []).append(lecture.number)
+        if all(part.stem in english for part in lecture.parts):
+            try:
+                minutes = lecture_load(english, lecture)['minutes']
+            except KeyError:
+                minutes = 0
+            if minutes > MATERIAL_MINUTES:
+                problems.append(f'lecture {lecture.number}: about {minutes:.0f} min of material, more than the '
+                                f'{MATERIAL_MINUTES} min a {LECTURE_MINUTES}-minute lecture leaves beside its '
+                                f'quiz ({QUIZ_MINUTES} min) and discussion ({DISCUSSION_MINUTES} min)')
+        for section, number in lecture.homework:
+            stem = by_section.get(section)
+            if stem is None or number not in exercise_numbers(english[stem]) \
+                    or number not in exercise_numbers(chinese.get(stem, [])):
+                problems.append(f'lecture {lecture.number}: homework {section} ex. {number} does not exist')
+    for stem, name in drops:
+        seen.setdefault((stem, name), []).append('dropped')
+    for stem, cells in english.items():
+        for _, name in taught_sections(cells):
+            where = seen.get((stem, name), [])
+            if len(where) != 1:
+                problems.append(f'{stem} "{name}" is in {len(where)} lectures {where}, not in exactly one')
+    return problems

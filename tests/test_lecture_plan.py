@@ -1,0 +1,159 @@
+"""The guide's lecture plan, checked against the stored notebooks and their timings.
+
+The rule: a 90-minute lecture holds at most 75 minutes of material (course_load's
+estimate from the stored English notebook, run time included), leaving 10 for its
+five-question quiz and 5 for discussion. Every `##` section of 00–09 before its
+Summary is in exactly one of the nine lectures; in the six-lecture cut, in exactly one
+lecture or in the cut's list of dropped sections. Every heading a part names exists in
+both languages at the same cell, and every homework exercise exists. Each check is shown
+failing on a planted bug.
+"""
+import re
+
+import pytest
+
+from comp_perf import lecture_plan as lp
+from notebook_code import ROOT
+
+ENGLISH = lp.stored_notebooks(ROOT / 'notebooks' / 'en')
+CHINESE = lp.stored_notebooks(ROOT / 'notebooks' / 'zh')
+GUIDE = ROOT / 'notebooks' / 'src' / 'instructors.txt'
+
+
+def test_the_rule_leaves_time_for_the_quiz_and_discussion():
+    assert lp.MATERIAL_MINUTES + lp.QUIZ_MINUTES + lp.DISCUSSION_MINUTES == lp.LECTURE_MINUTES == 90
+    assert lp.MATERIAL_MINUTES == 75
+
+
+def test_nine_lectures_cover_every_section_once_and_fit():
+    assert [lecture.number for lecture in lp.LECTURES] == list(range(1, 10))
+    assert lp.plan_problems(ENGLISH, CHINESE, lp.LECTURES) == []
+
+
+def test_the_six_lecture_cut_covers_or_drops_every_section_once_and_fits():
+    assert [lecture.number for lecture in lp.SIX_LECTURES] == list(range(1, 7))
+    merged = sorted({n for lecture in lp.SIX_LECTURES for n in lecture.merges})
+    assert merged == list(range(1, 10)), 'the cut says which of the nine lectures each of its lectures merges'
+    assert lp.plan_problems(ENGLISH, CHINESE, lp.SIX_LECTURES, lp.CUT_DROPS) == []
+
+
+def test_parts_resolve_to_the_cells_of_their_sections():
+    cells = ENGLISH['02-asynchronous-computation']
+    heads = lp.headings(cells)
+    start, end = lp.resolve(cells, lp.Part('02-asynchronous-computation', heads[0][1], heads[1][1]))
+    assert (start, end) == (0, heads[2][0] - 1)        # the first section takes the title cells with it
+    start, end = lp.resolve(cells, lp.Part('02-asynchronous-computation', heads[1][1], heads[-1][1]))
+    assert (start, end) == (heads[1][0], len(cells) - 1)
+
+
+# --- each check fails on a planted bug ---------------------------------------------------------
+
+def _replace(lectures, number, **changes):
+    return [lecture._replace(**changes) if lecture.number == number else lecture for lecture in lectures]
+
+
+def test_a_missing_section_is_found():
+    # Lecture 2 stops after "A back end you can watch": two sections of 02 are in no lecture.
+    broken = _replace(lp.LECTURES, 2, parts=[lp.Part('02-asynchronous-computation',
+                                                       'Asynchrony through the back end',
+                                                       'A back end you can watch')])
+    found = lp.plan_problems(ENGLISH, CHINESE, broken)
+    assert any('"Barriers and blockers" is in 0 lectures' in p for p in found), found
+    assert any('"What the profiler sees" is in 0 lectures' in p for p in found), found
+
+
+def test_a_section_in_two_lectures_is_found():
+    broken = _replace(lp.LECTURES, 9, parts=lp.LECTURES[8].parts + [lp.Part('07-parameter-servers',
+                                                                               'When a process dies', 'Summary')])
+    found = lp.plan_problems(ENGLISH, CHINESE, broken)
+    assert any('"When a process dies" is in 2 lectures [7, 9]' in p for p in found), found
+
+
+def test_a_heading_that_does_not_exist_is_found():
+    broken = _replace(lp.LECTURES, 4, parts=[lp.Part('04-hardware', 'Caches, and how to find them', 'Summery')])
+    found = lp.plan_problems(ENGLISH, CHINESE, broken)
+    assert 'lecture 4: 04-hardware has no section "Summery"' in found, found
+
+
+def test_a_heading_missing_in_chinese_is_found():
+    # The Chinese notebook's heading cell of "Memory" becomes a plain paragraph.
+    chinese = dict(CHINESE)
+    cells = [cell.copy() for cell in chinese['04-hardware']]
+    i = dict((name, i) for i, name in lp.headings(ENGLISH['04-hardware']))['Memory']
+    cells[i]['source'] = cells[i]['source'].replace('## ', '', 1)
+    chinese['04-hardware'] = cells
+    found = lp.plan_problems(ENGLISH, chinese, lp.LECTURES)
+    assert any('"Memory" of 04-hardware' in p and 'in Chinese' in p for p in found), found
+
+
+def test_an_overfull_lecture_is_found():
+    # Lectures 3 and 4 in one: 03 and all of 04 do not fit in 75 minutes.
+    broken = _replace(lp.LECTURES, 3, parts=lp.LECTURES[2].parts + lp.LECTURES[3].parts)
+    broken = [lecture for lecture in broken if lecture.number != 4]
+    found = lp.plan_problems(ENGLISH, CHINESE, broken)
+    assert any(p.startswith('lecture 3: about') and 'more than the 75 min' in p for p in found), found
+
+
+def test_an_overfull_cut_lecture_is_found():
+    # The cut without its drops in 04: its third lecture no longer fits.
+    parts = [lp.Part('04-hardware', 'The computer', 'Summary')]
+    broken = _replace(lp.SIX_LECTURES, 3, parts=parts)
+    drops = [d for d in lp.CUT_DROPS if d[0] != '04-hardware']
+    found = lp.plan_problems(ENGLISH, CHINESE, broken, drops)
+    assert any(p.startswith('lecture 3: about') for p in found), found
+
+
+def test_homework_that_does_not_exist_is_found():
+    broken = _replace(lp.LECTURES, 9, homework=(('09', 1), ('09', 7)))
+    assert lp.plan_problems(ENGLISH, CHINESE, broken) == ['lecture 9: homework 09 ex. 7 does not exist']
+
+
+# --- the guide's prose agrees with the plan ----------------------------------------------------
+
+def homework_text(lecture, lang):
+    """'00 ex. 2 · 01 ex. 1, 3' (en) or '00 练习 2 · 01 练习 1、3' (zh), in the plan's order."""
+    sections = {}
+    for section, number in lecture.homework:
+        sections.setdefault(section, []).append(str(number))
+    word, comma = ('ex.', ', ') if lang == 'en' else ('练习', '、')
+    return ' · '.join(f'{s} {word} {comma.join(ns)}' for s, ns in sections.items())
+
+
+def guide_cells():
+    import sys
+    sys.path.insert(0, str(ROOT / 'tools'))
+    import nbpair
+    return [c for c in nbpair.parse(GUIDE) if c['type'] == 'md']
+
+
+def lecture_text(number):
+    """{'en': …, 'zh': …}: the guide's cells from "### Lecture n" up to the next heading."""
+    cells = guide_cells()
+    first = next((i for i, c in enumerate(cells) if c['en'].startswith(f'### Lecture {number} ')), None)
+    if first is None:
+        return None
+    end = next((i for i in range(first + 1, len(cells)) if cells[i]['en'].startswith('#')), len(cells))
+    return {lang: '\n\n'.join(c[lang] for c in cells[first:end]) for lang in ('en', 'zh')}
+
+
+@pytest.mark.parametrize('lecture', lp.LECTURES, ids=lambda lec: f'lecture-{lec.number}')
+def test_the_guide_gives_each_lecture_its_homework_and_a_five_question_quiz(lecture):
+    cell = lecture_text(lecture.number)
+    assert cell, f'the guide has no "### Lecture {lecture.number} …" cell'
+    assert cell['zh'].startswith(f'### 第 {lecture.number} 讲'), cell['zh'][:40]
+    assert f'**Homework:** {homework_text(lecture, "en")}\n' in cell['en'] + '\n'
+    assert f'**作业：** {homework_text(lecture, "zh")}\n' in cell['zh'] + '\n'
+    for lang, answers in (('en', 'Answers'), ('zh', '答案')):
+        quiz, _, rest = cell[lang].partition(f'<details><summary>{answers}</summary>')
+        assert rest, f'{lang}: lecture {lecture.number} has no <details> with the answers'
+        questions = re.findall(r'^(\d)\. ', quiz.split('**Quiz' if lang == 'en' else '**小测')[-1], re.M)
+        given = re.findall(r'^(\d)\. ', rest.split('</details>')[0], re.M)
+        assert questions == given == list('12345'), (lang, questions, given)
+
+
+def test_the_guide_names_the_six_lecture_cuts_homework():
+    text = '\n'.join(c['en'] for c in guide_cells())
+    zh = '\n'.join(c['zh'] for c in guide_cells())
+    for lecture in lp.SIX_LECTURES:
+        assert homework_text(lecture, 'en') in text, homework_text(lecture, 'en')
+        assert homework_text(lecture, 'zh') in zh, homework_text(lecture, 'zh')
