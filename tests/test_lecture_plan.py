@@ -95,10 +95,11 @@ def test_an_overfull_lecture_is_found():
 
 
 def test_an_overfull_cut_lecture_is_found():
-    # The cut without its drops in 04: its third lecture no longer fits.
-    parts = [lp.Part('04-hardware', 'The computer', 'Summary')]
+    # The cut's third lecture given all of 04 and all of 07, without their drops: it no longer fits.
+    parts = [lp.Part('04-hardware', 'The computer', 'Summary'),
+             lp.Part('07-parameter-servers', 'Where should the gradients be added up?', 'Summary')]
     broken = _replace(lp.SIX_LECTURES, 3, parts=parts)
-    drops = [d for d in lp.CUT_DROPS if d[0] != '04-hardware']
+    drops = [d for d in lp.CUT_DROPS if d[0] not in ('04-hardware', '07-parameter-servers')]
     found = lp.plan_problems(ENGLISH, CHINESE, broken, drops)
     assert any(p.startswith('lecture 3: about') for p in found), found
 
