@@ -65,7 +65,10 @@ from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_
                                                 training_memory, saved_activation_bytes,
                                                 memory_calculator, ring_bytes, mlp, teacher_batches,
                                                 sharded_training, tensor_parallel_check,
-                                                bubble_fraction, pipeline_run, measured_bubble)
+                                                bubble_fraction, pipeline_run, measured_bubble,
+                                                memory_figure)
+from comp_perf.s08_zero_by_hand import Zero1, check_zero1
+from comp_perf.s08_fsdp_timeline import fsdp_timeline, plot_fsdp_timeline
 
 # 09 Make one training step fast: the augmented dataset DataLoader workers import, step timing
 from comp_perf.s09_training_step import AugmentedImages, timed_steps
@@ -82,3 +85,4 @@ from comp_perf.s06_ddp import Residual
 from comp_perf.s07_ring import RING_ALGORITHMS
 from comp_perf.s08_beyond_data_parallel import (local_bytes, count_collectives, mlp_block, pipeline_model,
                                                 pipeline_stage_part)
+from comp_perf.s08_zero_by_hand import zero1_check_worker
