@@ -70,7 +70,10 @@ from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_
                                                 training_memory, saved_activation_bytes,
                                                 memory_calculator, ring_bytes, mlp, teacher_batches,
                                                 sharded_training, tensor_parallel_check,
-                                                bubble_fraction, pipeline_run, measured_bubble)
+                                                bubble_fraction, pipeline_run, measured_bubble,
+                                                memory_figure)
+from comp_perf.s08_zero_by_hand import Zero1, check_zero1
+from comp_perf.s08_fsdp_timeline import fsdp_timeline, plot_fsdp_timeline
 
 # 09 Make one training step fast: the augmented dataset DataLoader workers import, step timing
 from comp_perf.s09_training_step import AugmentedImages, timed_steps
@@ -97,3 +100,4 @@ from comp_perf.s08_beyond_data_parallel import (local_bytes, count_collectives, 
 from comp_perf.s00_book_helpers import D2L_VERSION, DIFFERENCES, CHECKS
 from comp_perf.course_load import without_folded, prose_words, has_figure, stretches, load
 from comp_perf.lecture_plan import Part, Lecture, taught_sections, resolve, exercise_numbers
+from comp_perf.s08_zero_by_hand import zero1_check_worker

@@ -415,3 +415,31 @@ def measured_bubble(spans_by_rank):
     end = max(e for spans in spans_by_rank for _, _, e in spans)
     busy = [covered_seconds([(s, e) for _, s, e in spans]) for spans in spans_by_rank]
     return 1 - sum(busy) / len(busy) / (end - start)
+
+
+def memory_figure(**values):
+    """The memory calculator's bars as a static figure, at its starting values unless given; returns it.
+
+    The same zero_memory the calculator calls, for pages and decks that have no kernel.
+    """
+    import inspect
+
+    import matplotlib.pyplot as plt
+    start = {k: v.default for k, v in inspect.signature(memory_calculator).parameters.items()}
+    v = {**start, **values}
+    parts = zero_memory(v['params_b'] * 1e9, v['ranks'], v['stage'], v['precision'])
+    fig, ax = plt.subplots(figsize=(6, 2.6))
+    names = [tr(name) for name in parts]
+    gb = [b / 1e9 for b in parts.values()] + [sum(parts.values()) / 1e9]
+    ax.barh(names + [tr('total')], gb, color=['#4c72b0'] * len(parts) + ['#55a868'])
+    for row, value in enumerate(gb):
+        ax.text(value, row, f' {value:,.2f} GB', va='center', fontsize=7)
+    ax.axvline(v['device_gb'], color='grey', ls='--', lw=1)
+    ax.invert_yaxis()
+    ax.set(xlabel=tr('GB per rank'),
+           title=tr('static figure at the calculator\'s starting values') + '\n'
+           + tr('{p:g}B parameters, {n} ranks, ZeRO stage {s}, {prec}; dashed: the device\'s {d:g} GB',
+                p=v['params_b'], n=v['ranks'], s=v['stage'], prec=v['precision'], d=v['device_gb']))
+    ax.title.set_fontsize(8)
+    fig.tight_layout()
+    return fig
