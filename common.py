@@ -66,7 +66,7 @@ from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_
                                                 memory_calculator, ring_bytes, mlp, teacher_batches,
                                                 sharded_training, tensor_parallel_check,
                                                 bubble_fraction, pipeline_run, measured_bubble)
-from comp_perf.s08_combining import mesh_2d_training, plan_estimate
+from comp_perf.s08_combining import draw_mesh_2d, mesh_2d_training, plan_estimate, plot_plan_memory
 
 # 09 Make one training step fast: the augmented dataset DataLoader workers import, step timing
 from comp_perf.s09_training_step import AugmentedImages, timed_steps

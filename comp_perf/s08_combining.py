@@ -1,12 +1,14 @@
 """Section 08, combining strategies: a 2-D device mesh (FSDP across 'dp', tensor parallelism
 within 'tp') trained on CPU processes against the unsplit model, and the arithmetic of a
-back-of-envelope plan for one model on one cluster, from the course's own formulas.
+back-of-envelope plan for one model on one cluster, from the course's own formulas; a
+picture of the mesh and bars of a plan's memory per GPU.
 """
 import logging
 import warnings
 
 import torch
 
+from comp_perf.language import tr
 from comp_perf.s07_ring import sync_time
 from comp_perf.s08_beyond_data_parallel import bubble_fraction, count_collectives, mlp_block, zero_memory
 
@@ -124,3 +126,41 @@ def plan_estimate(model, cluster, dp, tp=1, pp=1, zero=0):
                 compute=compute, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_comm, pp_comm=pp_comm,
                 hidden_step=max(pipeline, dp_comm) + tp_comm + pp_comm,
                 exposed_step=pipeline + dp_comm + tp_comm + pp_comm)
+
+
+def draw_mesh_2d():
+    """Draw the 2 x 2 (dp, tp) mesh of mesh_2d_training: rows are 'tp' groups, columns 'dp' groups."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 2.6))
+    for rank in range(4):
+        d, t = divmod(rank, 2)
+        ax.add_patch(plt.Rectangle((2.2 * t, 1.6 * (1 - d)), 1.6, 1.0, color=f'C{d}', alpha=0.3 + 0.3 * t))
+        ax.text(2.2 * t + 0.8, 2.1 - 1.6 * d, f'rank {rank}\ndp {d}, tp {t}', ha='center', va='center', fontsize=8)
+    for i in range(2):
+        ax.plot([1.6, 2.2], [2.1 - 1.6 * i] * 2, 'k-', [0.8 + 2.2 * i] * 2, [1.0, 1.6], 'k--', lw=2)
+        ax.text(4.1, 2.1 - 1.6 * i, tr("'tp' group {d}: the block split, all-reduce of activations", d=i),
+                va='center', fontsize=8)
+    ax.text(-0.1, -0.35, tr("'dp' groups (dashed): weights sharded, all-gather and reduce-scatter, "
+                            'each group its own half of the batch'), fontsize=8)
+    ax.set(xlim=(-0.2, 10), ylim=(-0.6, 2.7))
+    ax.axis('off')
+    ax.set_title(tr('a 2 × 2 device mesh: rows are tp groups, columns dp groups'), fontsize=9)
+    return fig
+
+
+def plot_plan_memory(ax, plans, memory_gb, title):
+    """Bars of memory per GPU ({layout: plan_estimate(...)}), model states and activations, against the device.
+
+    Bars above twice the device's memory are cut, their total written at the top.
+    """
+    names, top = list(plans), 2 * memory_gb
+    states = [plans[k]['states'] / 1e9 for k in names]
+    ax.bar(names, states, color='C0', label=tr('weights, gradients, Adam'))
+    ax.bar(names, [plans[k]['activations'] / 1e9 for k in names], bottom=states, color='C1', label=tr('activations'))
+    ax.axhline(memory_gb, color='grey', ls='--', lw=1)
+    for i, k in enumerate(names):
+        if plans[k]['total'] / 1e9 > top:
+            ax.text(i, 0.97 * top, f"{plans[k]['total'] / 1e9:,.0f} GB", ha='center', va='top', fontsize=7,
+                    color='white')
+    ax.set(ylim=(0, top), ylabel=tr('GB per GPU'), title=title)
+    ax.tick_params(axis='x', labelsize=7, rotation=30)

@@ -94,3 +94,17 @@ def test_the_plan_refuses_a_layout_that_is_not_the_cluster():
             common.plan_estimate(MODEL, CLUSTER, **layout)
     with pytest.raises(ValueError, match='micro-batches'):
         common.plan_estimate(dict(MODEL, batch=6), CLUSTER, dp=4)
+
+
+def test_the_pictures_draw_the_mesh_and_cut_the_bars_above_twice_the_device():
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig = common.draw_mesh_2d()
+    assert sum(text.get_text().startswith('rank ') for text in fig.axes[0].texts) == 4
+    fig, ax = plt.subplots()
+    plans = {name: common.plan_estimate(MODEL, dict(CLUSTER, memory_gb=3), **HAND[name][0]) for name in HAND}
+    common.plot_plan_memory(ax, plans, 3, 'hand-worked')
+    assert [t.get_text() for t in ax.texts] == ['7 GB']          # ZeRO-1 over 4 holds 7 GB, above 2 × 3
+    assert ax.get_ylim() == (0, 6)
+    plt.close('all')
