@@ -74,6 +74,7 @@ from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_
                                                 memory_figure)
 from comp_perf.s08_zero_by_hand import Zero1, check_zero1
 from comp_perf.s08_fsdp_timeline import fsdp_timeline, plot_fsdp_timeline
+from comp_perf.s08_combining import draw_mesh_2d, mesh_2d_training, plan_estimate, plot_plan_memory
 
 # 09 Make one training step fast: the augmented dataset DataLoader workers import, step timing
 from comp_perf.s09_training_step import AugmentedImages, timed_steps
