@@ -59,7 +59,8 @@ from comp_perf.processes import WorkerError
 from comp_perf.fashion_mnist import find_fashion_mnist
 from comp_perf.s05_data_parallel import LENET_SHAPES
 from comp_perf.s07_ring import (SYNC_STRATEGIES, SYNC_LABELS, sync_time, ring_allreduce, ring_check,
-                                ring_allreduce_both_ways, comm_benchmark, sync_calculator)
+                                ring_allreduce_both_ways, comm_benchmark, sync_calculator, ring_trace)
+from comp_perf.s07_pictures import ring_steps, plot_ring_steps, plot_push_pull, plot_async_runs
 from comp_perf.s07_parameter_server import (KVStore, shard_keys, PSFault, ps_process, resume_step,
                                             save_checkpoint, ps_server, ps_worker,
                                             ps_async_process, ps_in_turn)

@@ -230,13 +230,13 @@ def ps_server(s, run, plan, workers, start):
         store.init(p['key'], saved[p['key']] if start else
                    init[p['param']].reshape(-1)[p['start']:p['stop']])
 
-    def send_to_workers(step):
+    def send_to_workers(step, wait=timeout):
         values = {p['key']: store.pull(p['key']) for p in mine}  # alive until sent
         _send([(values[p['key']], r, plan.index(p)) for p in mine for r in workers],
-              f'server {s} (rank {s}) sending the parameters for step {step} to the workers', timeout)
+              f'server {s} (rank {s}) sending the parameters for step {step} to the workers', wait)
 
-    send_to_workers(start)  # the first pull
-    pushes, t0 = 0, time.perf_counter()
+    send_to_workers(start, None)  # the first pull, as long as the workers take to load their data
+    pushes, pushed_bytes, events, t0 = 0, 0, [], time.perf_counter()
     for step in range(start, run['steps']):
         _ps_fault(run, 'server', s, step)  # a fault an experiment asked for: die or go silent
         for p in mine:
@@ -245,12 +245,14 @@ def ps_server(s, run, plan, workers, start):
                 _receive([(g, r, plan.index(p))], f'server {s} (rank {s}) waiting for the push of key '
                          f'{p["key"]} from worker {w} (rank {r}) at step {step}', timeout)
             store.push(p['key'], grads)
-            pushes += len(grads)
+            pushes, pushed_bytes = pushes + len(grads), pushed_bytes + sum(g.nbytes for g in grads)
+        all_in = time.perf_counter()
         send_to_workers(step + 1)
+        events.append((all_in, time.perf_counter()))   # for the picture: every push in, the pull sent
         save_checkpoint(run, s, step + 1, store)
     return {'role': 'server', 'index': s, 'keys': [p['key'] for p in mine],
             'elements': sum(p['stop'] - p['start'] for p in mine), 'pushes': pushes,
-            'seconds': time.perf_counter() - t0}
+            'pushed_bytes': pushed_bytes, 'events': events, 'seconds': time.perf_counter() - t0}
 
 
 def ps_worker(w, run, plan, workers, start, worker_group):
@@ -261,6 +263,7 @@ def ps_worker(w, run, plan, workers, start, worker_group):
     order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(seed))
     params = [torch.zeros(shape, requires_grad=True) for shape in LENET_SHAPES]
     patience = timeout and 2 * timeout  # a pull may wait for a slow peer
+    pulled_bytes, events = [0] * servers, []  # per server; (pushed, pulled) times per step
 
     def pull(step):
         bufs = [torch.empty(p['stop'] - p['start']) for p in plan]
@@ -270,6 +273,7 @@ def ps_worker(w, run, plan, workers, start, worker_group):
         with torch.no_grad():
             for p, b in zip(plan, bufs):
                 params[p['param']].view(-1)[p['start']:p['stop']] = b
+                pulled_bytes[p['server']] += b.nbytes
 
     pull(start)
     losses, step_diff, t0 = [], None, time.perf_counter()
@@ -280,12 +284,13 @@ def ps_worker(w, run, plan, workers, start, worker_group):
                                                  reduction='sum')
         loss.backward()
         losses.append(loss.item() / len(mine))
-        what = f'worker {w} (rank {rank}) pushing the gradients of step {step}'
+        what, pushed = f'worker {w} (rank {rank}) pushing the gradients of step {step}', time.perf_counter()
         pushing = _start_sends([(params[p['param']].grad.reshape(-1)[p['start']:p['stop']].clone(),
                                  p['server'], i) for i, p in enumerate(plan)], what)
         if step == start:  # the same step done with all-reduce, for comparison
             by_allreduce = _allreduce_step(params, lr, batch_size, worker_group)
         pull(step + 1)
+        events.append((pushed, time.perf_counter()))
         _wait(pushing, what, timeout)
         if step == start:
             step_diff = max(float((q.detach() - a).abs().max()) for q, a in zip(params, by_allreduce))
@@ -293,7 +298,8 @@ def ps_worker(w, run, plan, workers, start, worker_group):
             q.grad = None
     seconds = time.perf_counter() - t0
     out = {'role': 'worker', 'index': w, 'losses': losses, 'allreduce_diff': step_diff,
-           'images_per_s': (run['steps'] - start) * batch_size / seconds,
+           'images_per_s': (run['steps'] - start) * batch_size / seconds, 'started': t0, 'events': events,
+           'pulled_bytes': pulled_bytes,
            'params': [q.detach().clone() for q in params] if w == 0 else None}
     if w == 0 and run.get('test_subset'):
         out.update(_ps_test(params, run['test_subset']))

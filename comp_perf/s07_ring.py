@@ -42,13 +42,15 @@ def sync_time(strategy, size_bytes, devices, bandwidth, links=1):
             'ring': 2 * (n - 1) / n * one / links}[strategy]
 
 
-def ring_allreduce(tensor):
+def ring_allreduce(tensor, trace=None):
     """Sum `tensor` over all ranks in place with a ring: reduce-scatter, then all-gather.
 
     Each of the 2(n-1) steps sends one n-th of the tensor to the right neighbour and
     receives one from the left, so every link carries the same, small amount at once.
     The send and the receive of a step go out as one batch: NCCL deadlocks on a send
     and a receive that must progress together unless they are fused (gloo takes both).
+    A list as `trace` gets one entry per step: the chunks sent and received, and the
+    first element of every chunk after the step (ring_trace draws the steps from it).
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     chunks = list(torch.tensor_split(tensor.view(-1), n))
@@ -65,7 +67,20 @@ def ring_allreduce(tensor):
             chunks[recv_index] += incoming       # reduce-scatter: accumulate
         else:
             chunks[recv_index].copy_(incoming)   # all-gather: take the finished sum
+        if trace is not None:
+            trace.append({'sent': send_index, 'received': recv_index, 'held': [float(c[0]) for c in chunks]})
     return tensor
+
+
+def ring_trace(rank, world_size):
+    """Worker for launch(): ring_allreduce of one element per chunk, 2**rank, with its trace.
+
+    A chunk's value after a step is the sum of 2**r over the ranks r whose
+    contribution it holds: its bits say who has been added in.
+    """
+    trace = []
+    ring_allreduce(torch.full((world_size,), 2.0 ** rank), trace)
+    return trace
 
 
 def ring_check(rank, world_size, numel, algorithm='ring'):
@@ -167,9 +182,25 @@ def comm_benchmark(rank, world_size, sizes, repeats=5, algorithms=('ring', 'all_
     return out if rank == 0 else None
 
 
-def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1):
-    """An ipywidgets calculator: sliders for the sync_time inputs, a bar per strategy."""
+def _strategy_times(size_mb, devices, bandwidth_gbs, links=1):
+    """Milliseconds of every strategy (SYNC_STRATEGIES) at the calculator's inputs; `links` rings for the ring."""
+    return {k: 1e3 * sync_time(k, size_mb * 1e6, devices, bandwidth_gbs * 1e9, links if k == 'ring' else 1)
+            for k in SYNC_STRATEGIES}
+
+
+def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1, static=True):
+    """An ipywidgets calculator: sliders for the sync_time inputs, a bar per strategy.
+
+    With static=True it first draws the same bars at the starting values as a
+    figure (_plot_sync_times), for decks and web pages, which have no kernel.
+    """
     import ipywidgets as widgets
+    if static:
+        import matplotlib.pyplot as plt
+
+        from comp_perf.s07_pictures import _plot_sync_times
+        _plot_sync_times(size_mb, devices, bandwidth_gbs, links)
+        plt.show()
     labels = {k: tr(label) for k, label in SYNC_LABELS.items()}
     style = {'description_width': '11em'}
     size = widgets.FloatLogSlider(value=size_mb, base=10, min=0, max=4, step=0.05, style=style,
@@ -183,8 +214,7 @@ def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1):
     table = widgets.HTML()
 
     def update(_=None):
-        times = {k: 1e3 * sync_time(k, size.value * 1e6, n.value, bw.value * 1e9,
-                                    rings.value if k == 'ring' else 1) for k in SYNC_STRATEGIES}
+        times = _strategy_times(size.value, n.value, bw.value, rings.value)
         rows = bar_rows([(labels[k], f'{t:,.2f} ms', t) for k, t in times.items()], max(times.values()))
         table.value = f'<table>{rows}</table>'
 

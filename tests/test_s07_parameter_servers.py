@@ -8,6 +8,7 @@ import workers
 from notebook_code import definitions
 
 import common
+from comp_perf import s07_pictures
 
 
 def test_sync_time_reproduces_the_worked_example():
@@ -149,6 +150,9 @@ def test_parameter_server_step_equals_all_reduce_training(fashion_mnist):
     assert [r['role'] for r in out] == ['server', 'server', 'worker', 'worker']
     assert all(w['allreduce_diff'] <= 1e-6 for w in workers_)
     assert [s['pushes'] for s in servers] == [2 * 3 * len(s['keys']) for s in servers]
+    # what the loops record for 07's picture: every push's and pull's bytes, a time for each step
+    steps, traffic, _ = s07_pictures._push_pull_traffic(servers, workers_)
+    assert steps == 3 and traffic == {s['index']: (4 * s['elements'],) * 2 for s in servers}
     # three PS steps train exactly like three all-reduce steps (dp_worker, same data order)
     dp = common.launch(common.dp_worker, 2, dict(PS_RUN), timeout=120)[0]['params']
     for a, b in zip(workers_[0]['params'], dp):
