@@ -122,8 +122,9 @@ def bucketed_check(rank, world_size, module, folder, run=None):
     Both start from the same ResNet-18 and see the same batches (each rank its own) for
     run['steps'] SGD steps. Returns, on rank 0, the largest gradient and parameter
     differences from DDP, relative to the largest value, and per step the order of
-    events: each gradient ready (our hook, which fires before the class's own) and each
-    all-reduce started (recorded by wrapping torch.distributed.all_reduce). A class
+    events: ('gradient', name, time) when a gradient is ready (our hook, which fires before the
+    class's own) and ('all-reduce', elements, time, async_op) when an all-reduce starts (recorded
+    by wrapping torch.distributed.all_reduce). A class
     that raises NotImplementedError returns {'not built': its message}.
     """
     run = {**CHECK_RUN, **(run or {})}
@@ -132,9 +133,10 @@ def bucketed_check(rank, world_size, module, folder, run=None):
     events, recording = [], [False]
     real_all_reduce = dist.all_reduce
 
-    def all_reduce(tensor, *args, **kwargs):   # note when each all-reduce starts, then do it
+    def all_reduce(tensor, *args, **kwargs):   # note when each all-reduce starts and whether it waits
         if recording[0]:
-            events.append(('all-reduce', tensor.numel(), time.perf_counter()))
+            waits_here = not kwargs.get('async_op', args[2] if len(args) > 2 else False)
+            events.append(('all-reduce', tensor.numel(), time.perf_counter(), not waits_here))
         return real_all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = all_reduce   # before the import, so that `from … import all_reduce` gets it too
@@ -179,10 +181,11 @@ def bucketed_check(rank, world_size, module, folder, run=None):
 
 
 def bucketed_parts(result):
-    """{'gradients': …, 'overlap': …, 'buckets': …}, each (passed, numbers), from bucketed_check()'s result.
+    """{'grads': …, 'overlap': …, 'buckets': …}, each (passed, numbers), from bucketed_check()'s result.
 
-    gradients: gradients and parameters within TOLERANCE of DDP's in every step. overlap: in every
-    step at least one all-reduce started before the last gradient was ready. buckets: in every step
+    grads: gradients and parameters within TOLERANCE of DDP's in every step. overlap: in every
+    step at least one all-reduce started with async_op=True (so that backward did not wait for it)
+    before the last gradient was ready. buckets: in every step
     more than one and fewer all-reduces than there are parameters.
     """
     gap = max(result['grad_gap'], result['param_gap'])
@@ -190,9 +193,9 @@ def bucketed_parts(result):
     for events in result['steps']:
         last = max((i for i, (kind, *_) in enumerate(events) if kind == 'gradient'), default=-1)
         launches = [i for i, (kind, *_) in enumerate(events) if kind == 'all-reduce']
-        early.append(sum(i < last for i in launches))
+        early.append(sum(i < last and events[i][3] for i in launches))
         counts.append(len(launches))
-    return {'gradients': (gap < TOLERANCE, gap),
+    return {'grads': (gap < TOLERANCE, gap),
             'overlap': (bool(early) and min(early) >= 1, (min(early, default=0), min(counts, default=0))),
             'buckets': (bool(counts) and all(1 < n < result['params'] for n in counts),
                         (max(counts, default=0), result['params']))}
@@ -217,16 +220,16 @@ def check_bucketed_allreduce(module='my_buckets', folder=None, run=None):
         return Case('not built')
     parts = bucketed_parts(result)
     mark = {True: tr('pass'), False: tr('fail')}
-    ok, gap = parts['gradients']
+    ok, gap = parts['grads']
     print('  ' + tr('gradients and parameters against DDP: largest difference {gap:.1e} of the largest value '
                     '(allowed {tol:.0e}): {mark}', gap=gap, tol=TOLERANCE, mark=mark[ok]))
     ok, (early, count) = parts['overlap']
-    print('  ' + tr('overlap: {early} of {n} all-reduces started before backward had its last gradient '
-                    '(at least 1 needed): {mark}', early=early, n=count, mark=mark[ok]))
+    print('  ' + tr('overlap: {early} of {n} all-reduces started without waiting (async_op=True) before backward '
+                    'had its last gradient (at least 1 needed): {mark}', early=early, n=count, mark=mark[ok]))
     ok, (count, params) = parts['buckets']
     print('  ' + tr('buckets: {n} all-reduces per step for {p} parameters (more than 1, fewer than {p} needed): '
                     '{mark}', n=count, p=params, mark=mark[ok]))
-    names = {'gradients': tr('the gradients'), 'overlap': tr('the overlap'), 'buckets': tr('the buckets')}
+    names = {'grads': tr('the gradients'), 'overlap': tr('the overlap'), 'buckets': tr('the buckets')}
     failed = [names[part] for part, (ok, _) in parts.items() if not ok]
     print(tr('Result: pass') if not failed else tr('Result: fail ({parts})', parts=', '.join(failed)))
     return Case('fail' if failed else 'pass')

@@ -2,10 +2,11 @@
 
 The check (common.check_bucketed_allreduce) passes the reference solution and fails planted
 bugs, each on the part it should: no division by the world size fails the gradients; sending
-every bucket after backward fails the overlap; counts never reset fail the second step's
-gradients; the notebook's own skeleton is reported as not built yet. The tests that start
-processes (common.launch, directly or inside the check) are in the procs tier: tests/conftest.py
-finds `launch` in the source of the planted fixture, and the tests that call the check carry the mark.
+every bucket after backward, or blocking backward on each all-reduce, fails the overlap; counts
+never reset fail the second step's gradients; the notebook's own skeleton is reported as not
+built yet. The tests that start processes (common.launch, directly or inside the check) are in
+the procs tier: tests/conftest.py finds `launch` in the source of the planted fixture, and the
+tests that call the check carry the mark.
 """
 import pytest
 import torch
@@ -56,7 +57,30 @@ class BucketedAllReduce(Reference):
         self.ready = ready
 '''
 
-PLANTED = {'no_division': NO_DIVISION, 'after_backward': AFTER_BACKWARD, 'no_reset': NO_RESET}
+BLOCKING = '''
+import torch
+import torch.distributed as dist
+from comp_perf.s06_bucketed import BucketedAllReduce as Reference
+
+
+class BucketedAllReduce(Reference):
+    def gradient_ready(self, p):   # planted: each full bucket's all-reduce blocks the backward pass
+        k = self.bucket_of[p]
+        self.ready[k] += 1
+        if self.ready[k] == len(self.buckets[k]):
+            flat = torch.cat([q.grad.flatten() for q in self.buckets[k]])
+            dist.all_reduce(flat)
+            self.pending.append((flat.new_empty(0), flat, self.buckets[k]))
+
+    def finish(self):
+        for _, flat, bucket in self.pending:
+            flat /= self.world_size
+            for q, g in zip(bucket, flat.split([q.numel() for q in bucket])):
+                q.grad.copy_(g.view_as(q.grad))
+        self.ready, self.pending = [0] * len(self.buckets), []
+'''
+
+PLANTED = {'no_division': NO_DIVISION, 'after_backward': AFTER_BACKWARD, 'no_reset': NO_RESET, 'blocking': BLOCKING}
 
 
 def notebook_skeleton():
@@ -81,21 +105,23 @@ def _result(steps, grad_gap=0.0, param_gap=0.0, params=4):
     return {'grad_gap': grad_gap, 'param_gap': param_gap, 'params': params, 'steps': steps}
 
 
-GOOD_STEP = [('gradient', 'd', 0.1), ('gradient', 'c', 0.2), ('all-reduce', 2, 0.21),
-             ('gradient', 'b', 0.3), ('gradient', 'a', 0.4), ('all-reduce', 2, 0.41)]
+GOOD_STEP = [('gradient', 'd', 0.1), ('gradient', 'c', 0.2), ('all-reduce', 2, 0.21, True),
+             ('gradient', 'b', 0.3), ('gradient', 'a', 0.4), ('all-reduce', 2, 0.41, True)]
 
 
 def test_parts_pass_a_good_step_and_name_each_failure():
     parts = common.bucketed_parts(_result([GOOD_STEP, GOOD_STEP]))
-    assert {name: ok for name, (ok, _) in parts.items()} == {'gradients': True, 'overlap': True, 'buckets': True}
+    assert {name: ok for name, (ok, _) in parts.items()} == {'grads': True, 'overlap': True, 'buckets': True}
     assert parts['overlap'][1] == (1, 2)
-    assert not common.bucketed_parts(_result([GOOD_STEP], grad_gap=1.0))['gradients'][0]
-    assert not common.bucketed_parts(_result([GOOD_STEP], param_gap=2 * common.TOLERANCE))['gradients'][0]
-    late = [e for e in GOOD_STEP if e[0] == 'gradient'] + [('all-reduce', 2, 0.5), ('all-reduce', 2, 0.6)]
+    assert not common.bucketed_parts(_result([GOOD_STEP], grad_gap=1.0))['grads'][0]
+    assert not common.bucketed_parts(_result([GOOD_STEP], param_gap=2 * common.TOLERANCE))['grads'][0]
+    late = [e for e in GOOD_STEP if e[0] == 'gradient'] + [('all-reduce', 2, 0.5, True), ('all-reduce', 2, 0.6, True)]
     assert not common.bucketed_parts(_result([GOOD_STEP, late]))['overlap'][0]   # every step must overlap
-    one = [e for e in GOOD_STEP if e[0] == 'gradient'] + [('all-reduce', 4, 0.5)]
+    waiting = [e[:3] + (False,) if e[0] == 'all-reduce' else e for e in GOOD_STEP]
+    assert not common.bucketed_parts(_result([waiting]))['overlap'][0]   # a blocking all-reduce hides nothing
+    one = [e for e in GOOD_STEP if e[0] == 'gradient'] + [('all-reduce', 4, 0.5, True)]
     assert not common.bucketed_parts(_result([one]))['buckets'][0]
-    each = [e for pair in zip([e for e in GOOD_STEP if e[0] == 'gradient'], [('all-reduce', 1, 0)] * 4)
+    each = [e for pair in zip([e for e in GOOD_STEP if e[0] == 'gradient'], [('all-reduce', 1, 0, True)] * 4)
             for e in pair]
     parts = common.bucketed_parts(_result([each]))
     assert parts['overlap'][0] and not parts['buckets'][0]   # one all-reduce per parameter is not bucketing
@@ -136,17 +162,21 @@ def test_the_notebooks_skeleton_is_not_built_yet(tmp_path, capsys):
 
 
 def test_forgetting_to_divide_fails_the_gradients_only(planted):
-    assert _passed(planted['no_division']) == {'gradients': False, 'overlap': True, 'buckets': True}
+    assert _passed(planted['no_division']) == {'grads': False, 'overlap': True, 'buckets': True}
     assert planted['no_division']['grad_gap'] >= 0.5   # twice DDP's gradients: a gap of about the largest one
 
 
 def test_sending_after_backward_fails_the_overlap_only(planted):
-    assert _passed(planted['after_backward']) == {'gradients': True, 'overlap': False, 'buckets': True}
+    assert _passed(planted['after_backward']) == {'grads': True, 'overlap': False, 'buckets': True}
     assert common.bucketed_parts(planted['after_backward'])['overlap'][1][0] == 0
 
 
+def test_a_blocking_all_reduce_during_backward_fails_the_overlap(planted):
+    assert _passed(planted['blocking']) == {'grads': True, 'overlap': False, 'buckets': True}
+
+
 def test_counts_never_reset_fail_the_second_step(planted):
-    assert _passed(planted['no_reset'])['gradients'] is False
+    assert _passed(planted['no_reset'])['grads'] is False
     first, second = planted['no_reset']['steps']
     assert any(kind == 'all-reduce' for kind, *_ in first)
     assert not any(kind == 'all-reduce' for kind, *_ in second)
