@@ -91,6 +91,41 @@ def notebook_skeleton():
     return cell.split('\n', 1)[1]
 
 
+# What a student writes into the skeleton's three gaps
+FILLED = {
+    "    raise NotImplementedError('GAP 1: make_buckets')": """\
+    buckets, size = [[]], 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and size + nbytes > bucket_mb * 2**20:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets""",
+    "        raise NotImplementedError('GAP 2: gradient_ready')": """\
+        if self.ready[k] == len(self.buckets[k]):
+            flat = torch.cat([q.grad.flatten() for q in self.buckets[k]])
+            self.pending.append((dist.all_reduce(flat, async_op=True), flat, self.buckets[k]))""",
+    "        raise NotImplementedError('GAP 3: finish')": """\
+        for handle, flat, bucket in self.pending:
+            handle.wait()
+            flat /= self.world_size
+            for q, average in zip(bucket, flat.split([q.numel() for q in bucket])):
+                q.grad.copy_(average.view_as(q.grad))
+        self.ready = [0] * len(self.buckets)
+        self.pending = []""",
+}
+
+
+def filled_skeleton(gaps=FILLED):
+    code = notebook_skeleton()
+    for gap, answer in gaps.items():
+        assert code.count(gap) == 1, gap
+        code = code.replace(gap, answer)
+    return code
+
+
 # Without processes: the buckets and the verdict's parts
 
 def test_make_buckets_fills_in_reverse_order_within_the_size():
@@ -180,6 +215,16 @@ def test_counts_never_reset_fail_the_second_step(planted):
     first, second = planted['no_reset']['steps']
     assert any(kind == 'all-reduce' for kind, *_ in first)
     assert not any(kind == 'all-reduce' for kind, *_ in second)
+
+
+@pytest.mark.procs
+def test_the_skeleton_with_its_gaps_filled_passes_and_half_filled_is_not_built(tmp_path, capsys):
+    (tmp_path / 'filled.py').write_text(filled_skeleton())
+    assert common.check_bucketed_allreduce('filled', folder=tmp_path) == 'pass'
+    two_gaps = {gap: answer for gap, answer in FILLED.items() if 'GAP 3' not in gap}
+    (tmp_path / 'half.py').write_text(filled_skeleton(two_gaps))
+    assert common.check_bucketed_allreduce('half', folder=tmp_path) == 'not built'
+    assert 'not built yet: GAP 3: finish' in capsys.readouterr().out
 
 
 @pytest.mark.procs
