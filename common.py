@@ -49,10 +49,12 @@ from comp_perf.s05_data_parallel import (full_fp32, step_difference, step_tolera
                                          evaluate_accuracy, Animator, sgd, lenet_params, lenet,
                                          batch_indices, replica_devices, dp_worker)
 
-# 06 Concise multi-GPU training: ResNet-18, torchrun, DDP's communication hooks and timeline
+# 06 Concise multi-GPU training: ResNet-18, torchrun, DDP's communication hooks and timeline, the bucketed
+# all-reduce the student builds and its check
 from comp_perf.processes import torchrun
 from comp_perf.s06_ddp import (resnet18, overlapped_hook, after_backward_hook, ddp_timeline,
                                plot_ddp_timeline)
+from comp_perf.s06_bucketed import make_buckets, BucketedAllReduce, check_bucketed_allreduce, show_solution
 
 # 07 Parameter servers: sync costs, ring all-reduce, the key-value store, a sharded server on processes
 from comp_perf.processes import WorkerError
@@ -96,6 +98,7 @@ from comp_perf.pictures import bar_rows
 from comp_perf.processes import free_port, node_gpus, stop_process_tree
 from comp_perf.fashion_mnist import ROOT, DATA_DIR, DEBIAN_DIR, FASHION_FILES, fashion_mnist_arrays, clear_cache
 from comp_perf.s06_ddp import Residual
+from comp_perf.s06_bucketed import CHECK_RUN, TOLERANCE, bucketed_check, bucketed_parts
 from comp_perf.s07_ring import RING_ALGORITHMS
 from comp_perf.s08_beyond_data_parallel import (local_bytes, count_collectives, mlp_block, pipeline_model,
                                                 pipeline_stage_part)
