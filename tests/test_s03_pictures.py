@@ -1,4 +1,4 @@
-"""Section 03's task graph, drawn by common.plot_dependency_graph: each task at its depth, on its resource's row."""
+"""Section 03's pictures: the task graph (common.plot_dependency_graph) and the CPU compute/copy timeline's spans."""
 import matplotlib
 import networkx as nx
 import pytest
@@ -41,3 +41,38 @@ def test_a_wrong_position_would_be_seen():
     where = dict(zip(graph, common.plot_dependency_graph(graph, ['CPU', 'bus', 'GPU']).collections[0]
                      .get_offsets().tolist()))
     assert where['send'] != [1, -1]
+
+
+def _overlap_code(monkeypatch_pool):
+    """The page's job and run_jobs, with small inputs, and the pool's in_threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from notebook_code import definitions
+    ns = definitions('03-automatic-parallelism', 'job', 'run_jobs')
+    pool = ThreadPoolExecutor(max_workers=2)
+    monkeypatch_pool.append(pool)
+    ns.update(eight=[torch.rand(64, 64) for _ in range(8)], source=torch.rand(2**16), traces={},
+              in_threads=lambda *fns: [f.result() for f in [pool.submit(fn) for fn in fns]])
+    ns['target'] = torch.empty_like(ns['source'])
+    return ns
+
+
+def test_the_overlap_timeline_records_every_product_and_copy_in_order():
+    pools = []
+    ns = _overlap_code(pools)
+    try:
+        for way in ('serial', 'overlapped'):
+            ns['run_jobs'](way, 'compute', 'copy')
+            spans = ns['traces'][way]
+            for lane, count in (('compute', 8), ('copy', 10)):
+                mine = sorted((start, end) for name, start, end, _ in spans if name == lane)
+                assert len(mine) == count and all(0 <= s <= e for s, e in mine)
+                assert all(e <= s for (_, e), (s, _) in zip(mine, mine[1:]))   # one job runs its steps in turn
+        serial = ns['traces']['serial']
+        last_compute = max(end for lane, _, end, _ in serial if lane == 'compute')
+        assert min(start for lane, start, _, _ in serial if lane == 'copy') >= last_compute   # one after the other
+        ns['run_jobs']('serial', 'copy')
+        assert {lane for lane, *_ in ns['traces']['serial']} == {'copy'}    # each run replaces the way's spans
+    finally:
+        pools[0].shutdown()
