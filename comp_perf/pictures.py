@@ -82,9 +82,12 @@ def plot_dependency_graph(graph, lanes, title=None, xlabel=None, ax=None):
         position[task] = (depth[task] + offset, -row - offset)
     if ax is None:
         _, ax = plt.subplots(figsize=(12, 5))
-    nx.draw_networkx(graph, position, ax=ax, node_color=[lanes.index(graph.nodes[t]['resource']) for t in graph],
-                     cmap='tab10', vmin=0, vmax=9, node_size=420, font_size=8, arrowsize=9, edge_color='gray',
-                     labels={t: t.replace(' (', '\n(').replace(' from', '\nfrom') for t in graph})
+    nx.draw_networkx_nodes(graph, position, ax=ax, node_size=260, cmap='tab10', vmin=0, vmax=9,
+                           node_color=[lanes.index(graph.nodes[t]['resource']) for t in graph])
+    nx.draw_networkx_edges(graph, position, ax=ax, node_size=260, arrowsize=9, edge_color='gray')
+    nx.draw_networkx_labels(graph, {t: (x, y - 0.13) for t, (x, y) in position.items()}, ax=ax, font_size=7,
+                            verticalalignment='top', labels={t: t.replace(' (', '\n(').replace(' from', '\nfrom')
+                                                             for t in graph})   # below its node, not over it
     ax.set_yticks([-i for i in range(len(lanes))], [tr(lane) for lane in lanes])
     ax.set_xticks(range(max(depth.values(), default=0) + 1))
     ax.tick_params(left=True, labelleft=True, bottom=True, labelbottom=True)
