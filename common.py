@@ -33,7 +33,8 @@ from comp_perf.language import display_width
 from comp_perf.measure import synchronize
 from comp_perf.pictures import plot_timeline
 
-# 03 Automatic parallelism: nothing new (threads, streams and schedules use what 00-02 brought)
+# 03 Automatic parallelism: a task graph drawn by resource (threads, streams and schedules use what 00-02 brought)
+from comp_perf.pictures import plot_dependency_graph
 
 # 04 Hardware: cache steps, compiled C, GPU datasheets
 from comp_perf.s04_hardware import cache_knees, compile_c, GPU_DATASHEETS, gpu_datasheet
@@ -43,7 +44,7 @@ from comp_perf.s04_hardware import plot_utilisation
 
 # 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker
 from comp_perf.measure import Timer
-from comp_perf.pictures import show_source
+from comp_perf.pictures import show_source, plot_device_rows
 from comp_perf.fashion_mnist import fashion_mnist_datasets
 from comp_perf.s05_data_parallel import (full_fp32, step_difference, step_tolerance, accuracy,
                                          evaluate_accuracy, Animator, sgd, lenet_params, lenet,

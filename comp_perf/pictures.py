@@ -60,3 +60,77 @@ def bar_rows(rows, longest):
                    f'<td style="text-align:left"><div style="background:#4c72b0;height:0.9em;'
                    f'width:{max(1, round(240 * value / longest))}px"></div></td></tr>'
                    for label, shown, value in rows)
+
+
+def plot_dependency_graph(graph, lanes, title=None, xlabel=None, ax=None):
+    """Draw a task graph (a networkx DiGraph whose nodes have a 'resource' in `lanes`); return ax.
+
+    A task sits at x = its dependency depth and on the row of its resource (tasks that
+    share both are stepped aside); edges are dependencies; lane names go through tr().
+    """
+    import matplotlib.pyplot as plt
+    import networkx as nx
+    unknown = {graph.nodes[t].get('resource') for t in graph} - set(lanes)
+    if unknown:
+        raise ValueError(f'tasks on resources that are not lanes: {sorted(map(str, unknown))}')
+    depth = {task: level for level, tasks in enumerate(nx.topological_generations(graph)) for task in tasks}
+    position, taken = {}, {}
+    for task in nx.topological_sort(graph):
+        row = lanes.index(graph.nodes[task]['resource'])
+        offset = 0.35 * taken.get((depth[task], row), 0)
+        taken[depth[task], row] = taken.get((depth[task], row), 0) + 1
+        position[task] = (depth[task] + offset, -row - offset)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(12, 5))
+    nx.draw_networkx_nodes(graph, position, ax=ax, node_size=260, cmap='tab10', vmin=0, vmax=9,
+                           node_color=[lanes.index(graph.nodes[t]['resource']) for t in graph])
+    nx.draw_networkx_edges(graph, position, ax=ax, node_size=260, arrowsize=9, edge_color='gray')
+    nx.draw_networkx_labels(graph, {t: (x, y - 0.13) for t, (x, y) in position.items()}, ax=ax, font_size=7,
+                            verticalalignment='top', labels={t: t.replace(' (', '\n(').replace(' from', '\nfrom')
+                                                             for t in graph})   # below its node, not over it
+    ax.set_yticks([-i for i in range(len(lanes))], [tr(lane) for lane in lanes])
+    ax.set_xticks(range(max(depth.values(), default=0) + 1))
+    ax.tick_params(left=True, labelleft=True, bottom=True, labelbottom=True)
+    ax.set_xlabel(xlabel or '')
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def plot_device_rows(stages, moves, titles, rows, ax=None, fmt='{:g}'):
+    """Draw what each device holds, stage by stage, and what moves between stages; return ax.
+
+    stages: one list per stage of one vector per device (the same length everywhere),
+    drawn as a row of coloured, labelled cells per device (one colour scale for all);
+    moves[j]: (from device, to device) pairs, each an arrow from stage j to stage j + 1;
+    titles: one per stage; rows: the devices' names.
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    vectors = [[np.asarray(v, dtype=float).ravel() for v in stage] for stage in stages]
+    if {len(stage) for stage in vectors} != {len(rows)} or len({len(v) for stage in vectors for v in stage}) != 1:
+        raise ValueError(f'every stage needs one vector per device ({len(rows)}), all of one length: '
+                         f'got lengths {[[len(v) for v in stage] for stage in vectors]}')
+    values = [np.stack(stage) for stage in vectors]
+    if len(moves) != len(stages) - 1 or len(titles) != len(stages):
+        raise ValueError(f'{len(stages)} stages need {len(stages) - 1} lists of moves and {len(stages)} titles')
+    devices, width = values[0].shape
+    step = width + 2.5                      # a stage's cells, then room for the arrows
+    low, high = min(v.min() for v in values), max(v.max() for v in values)
+    cmap, norm = plt.get_cmap('coolwarm'), plt.Normalize(min(low, -high), max(high, -low))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(2.2 * len(stages) + 0.35 * width * len(stages), 0.9 + 0.45 * devices))
+    for j, (stage, title) in enumerate(zip(values, titles)):
+        for d in range(devices):
+            for i, value in enumerate(stage[d]):
+                ax.add_patch(plt.Rectangle((j * step + i, d - 0.4), 1, 0.8, color=cmap(norm(value))))
+                ax.text(j * step + i + 0.5, d, fmt.format(value), ha='center', va='center', fontsize=8)
+        ax.text(j * step + width / 2, -0.75, title, ha='center', va='bottom', fontsize=9)
+    for j, pairs in enumerate(moves):
+        for source, target in pairs:
+            ax.annotate('', xy=((j + 1) * step - 0.1, target), xytext=(j * step + width + 0.1, source),
+                        arrowprops=dict(arrowstyle='->', color='black', lw=1))
+    ax.set(xlim=(-0.2, len(stages) * step - 2.3), ylim=(devices - 0.5, -1.4), xticks=[])
+    ax.set_yticks(range(devices), rows)
+    ax.spines[:].set_visible(False)
+    return ax

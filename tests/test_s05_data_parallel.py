@@ -197,3 +197,61 @@ def test_the_worker_recipe_of_07s_exercise_runs(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     my_ring = importlib.import_module('my_ring')
     assert max(common.launch(my_ring.check, 3, 100_003)) < 1e-4
+
+
+def _drawn_rows(ax, width):
+    """What plot_device_rows wrote into its cells: {stage: {device: [text, …]}}, read back from the axes."""
+    import matplotlib.text
+    step, cells = width + 2.5, {}
+    for text in ax.texts:
+        x, y = text.get_position()
+        if isinstance(text, matplotlib.text.Annotation) or y < 0:
+            continue                                    # arrows and stage titles
+        stage, column = divmod(x - 0.5, step)
+        cells.setdefault(int(stage), {}).setdefault(round(y), {})[round(column)] = text.get_text()
+    return {s: {d: [row[i] for i in sorted(row)] for d, row in rows.items()} for s, rows in cells.items()}
+
+
+def _allreduce_figure(allreduce, k=3):
+    """Run the page's all-reduce demonstration on k CPU 'replicas' and draw it as the page does."""
+    import matplotlib
+    matplotlib.use('Agg')
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(-5, 6, (6,), generator=gen).float() for _ in range(k)]
+    before = [t.tolist() for t in data]
+    allreduce(data)
+    after = [t.tolist() for t in data]
+    ax = common.plot_device_rows([before, [after[0]] + before[1:], after],
+                                 moves=[[(i, 0) for i in range(1, k)], [(0, i) for i in range(1, k)]],
+                                 titles=['before', 'gather', 'broadcast'], rows=[f'replica {i}' for i in range(k)])
+    return ax, before
+
+
+def _shows_the_sum_everywhere(ax, before):
+    total = [f'{sum(column):g}' for column in zip(*before)]
+    last = _drawn_rows(ax, len(before[0]))[2]
+    return all(last[d] == total for d in range(len(before)))
+
+
+def test_the_allreduce_figure_draws_the_run_and_sees_a_missing_broadcast():
+    allreduce = definitions('05-multi-gpu-from-scratch', 'allreduce')['allreduce']
+    ax, before = _allreduce_figure(allreduce)
+    drawn = _drawn_rows(ax, 6)
+    assert drawn[0] == {d: [f'{v:g}' for v in row] for d, row in enumerate(before)}   # the values, as given
+    assert drawn[1][1] == drawn[0][1] and drawn[1][0] == drawn[2][0]                  # gather: only replica 0 changed
+    assert _shows_the_sum_everywhere(ax, before)
+    arrows = sorted(((a.xyann[0] > 8.5, round(a.xyann[1]), round(a.xy[1])) for a in ax.texts if hasattr(a, 'xyann')))
+    assert arrows == [(False, 1, 0), (False, 2, 0), (True, 0, 1), (True, 0, 2)]      # in to replica 0, then out
+
+    def no_broadcast(data):                          # a planted bug: the sum stays on replica 0
+        for i in range(1, len(data)):
+            data[0][:] += data[i]
+    ax, before = _allreduce_figure(no_broadcast)
+    assert not _shows_the_sum_everywhere(ax, before)
+
+
+def test_plot_device_rows_refuses_ragged_stages_and_missing_moves():
+    with pytest.raises(ValueError, match='one vector per device'):
+        common.plot_device_rows([[[1, 2], [3, 4]], [[1, 2], [3]]], moves=[[]], titles=['a', 'b'], rows=['0', '1'])
+    with pytest.raises(ValueError, match='need 1 lists of moves'):
+        common.plot_device_rows([[[1], [2]], [[3], [3]]], moves=[], titles=['a', 'b'], rows=['0', '1'])
