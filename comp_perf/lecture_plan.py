@@ -34,7 +34,7 @@ Lecture = namedtuple('Lecture', 'number parts homework merges', defaults=((),))
 _CLOSING = {'Summary', 'Exercises', '小结', '练习'}
 
 LECTURES = [
-    Lecture(1, [Part('00-start-here', 'Course map', 'How to read a measurement'),
+    Lecture(1, [Part('00-start-here', 'How to run the course', 'Course map'),
                 Part('01-compilers-and-interpreters', 'Imperative programming', 'Summary')],
             homework=(('00', 2), ('01', 1), ('01', 3))),
     Lecture(2, [Part('02-asynchronous-computation', 'Asynchrony through the back end', 'Summary')],
