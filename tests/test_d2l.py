@@ -138,3 +138,33 @@ def test_the_set_up_installs_the_release_the_course_checks_without_its_pins():
     course = (ROOT / 'course').read_text(encoding='utf-8')
     assert 'pip install -q --no-deps -r requirements-d2l.txt' in course and 'd2l.torch' in course
     assert 'pip install --no-deps -r requirements-d2l.txt' in (ROOT / 'README.md').read_text(encoding='utf-8')
+
+
+FAKE_PIP = """#!/bin/bash
+echo "ERROR: pip's dependency resolver does not currently take into account all the packages that are installed."
+echo "d2l 1.0.3 requires numpy==1.23.5, but you have numpy 2.4.6 which is incompatible."
+[ -n "$OTHER" ] && echo "foo 1.0 requires bar==2, but you have bar 3 which is incompatible."
+exit ${RC:-0}
+"""
+
+
+@pytest.mark.parametrize('other,rc', [(False, 0), (True, 0), (False, 1)])
+def test_set_up_replaces_only_the_expected_d2l_complaint(tmp_path, other, rc):
+    """pip's ERROR about d2l's own pins becomes one line; any other conflict or failure is shown as is."""
+    import re
+    import subprocess
+    from notebook_code import ROOT
+    course = (ROOT / 'course').read_text(encoding='utf-8')
+    functions = re.search(r'^say\(\).*?$', course, re.M)[0] + '\n' + \
+        re.search(r'^pip_install\(\) \{.*?^\}', course, re.M | re.S)[0]
+    fake = tmp_path / 'python'
+    fake.write_text(FAKE_PIP)
+    fake.chmod(0o755)
+    script = f'set -euo pipefail\nPY={fake}\n{functions}\npip_install -q x\n'
+    env = {'PATH': '/usr/bin:/bin', **({'OTHER': '1'} if other else {}), 'RC': str(rc)}
+    done = subprocess.run(['bash', '-c', script], capture_output=True, text=True, timeout=30, env=env)
+    assert done.returncode == rc
+    shown = 'd2l 1.0.3 requires' in done.stdout
+    assert shown == (other or rc != 0), done.stdout
+    assert ('foo 1.0 requires' in done.stdout) == other
+    assert ("pins are not installed: expected" in done.stdout) == (not other and rc == 0)
