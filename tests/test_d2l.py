@@ -136,7 +136,7 @@ def test_the_set_up_installs_the_release_the_course_checks_without_its_pins():
     pins = [line for line in (ROOT / 'requirements-d2l.txt').read_text().splitlines() if line and line[0] != '#']
     assert pins == [f'd2l=={book.D2L_VERSION}']
     course = (ROOT / 'course').read_text(encoding='utf-8')
-    assert 'pip install -q --no-deps -r requirements-d2l.txt' in course and 'd2l.torch' in course
+    assert 'pip_install -q --no-deps -r requirements-d2l.txt' in course and 'd2l.torch' in course
     assert 'pip install --no-deps -r requirements-d2l.txt' in (ROOT / 'README.md').read_text(encoding='utf-8')
 
 
