@@ -103,7 +103,7 @@ from comp_perf.s06_bucketed import CHECK_RUN, TOLERANCE, bucketed_check, buckete
 from comp_perf.s07_ring import RING_ALGORITHMS
 from comp_perf.s08_beyond_data_parallel import (local_bytes, count_collectives, mlp_block, pipeline_model,
                                                 pipeline_stage_part)
-from comp_perf.s00_book_helpers import D2L_VERSION, DIFFERENCES, CHECKS
+from comp_perf.s00_book_helpers import D2L_VERSION, DIFFERENCES, CHECKS, products_size
 from comp_perf.course_load import without_folded, prose_words, has_figure, stretches, load
 from comp_perf.lecture_plan import Part, Lecture, taught_sections, resolve, exercise_numbers
 from comp_perf.s08_zero_by_hand import zero1_check_worker

@@ -88,6 +88,11 @@ def compare_with_d2l(d2l=None):
     return confirmed
 
 
+def products_size(device):
+    """Side of the square matrices benchmark_side_by_side multiplies on `device`."""
+    return 4096 if torch.device(device).type == 'cuda' else 1024
+
+
 def benchmark_side_by_side(device=None, size=None, repeats=8):
     """Time the same matrix products with d2l.Benchmark and common.Benchmark; return (d2l's, ours) seconds.
 
@@ -97,7 +102,7 @@ def benchmark_side_by_side(device=None, size=None, repeats=8):
     """
     d2l = d2l_torch()
     device = torch.device(device) if device is not None else try_gpu()
-    size = size or (4096 if device.type == 'cuda' else 1024)
+    size = size or products_size(device)
     a = torch.randn(size, size, device=device)
     (a @ a).sum().item()                      # warm-up: kernels loaded, memory allocated
     synchronize(device)

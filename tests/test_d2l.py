@@ -168,3 +168,11 @@ def test_set_up_replaces_only_the_expected_d2l_complaint(tmp_path, other, rc):
     assert shown == (other or rc != 0), done.stdout
     assert ('foo 1.0 requires' in done.stdout) == other
     assert ("pins are not installed: expected" in done.stdout) == (not other and rc == 0)
+
+
+def test_side_by_side_picks_large_products_on_a_gpu_and_small_ones_on_a_cpu(fake_gpus):
+    """On a GPU the products must take far longer than queueing them, or d2l's missing sync would not show."""
+    fake_gpus(1)
+    assert common.try_gpu() == torch.device('cuda:0')
+    assert book.products_size(common.try_gpu()) == 4096
+    assert book.products_size('cuda:1') == 4096 and book.products_size('cpu') == 1024
