@@ -1,4 +1,4 @@
-"""Fashion-MNIST, offline first (sections 00, 05-07).
+"""Fashion-MNIST, offline first, for the sections that train on it.
 
 The data is looked for in data/fashion-mnist/, in torchvision's layout under
 data/FashionMNIST/raw/, and in Debian's package (/usr/share/datasets/fashion-mnist/);
@@ -98,10 +98,7 @@ _ARRAYS = {}
 
 
 def fashion_mnist_arrays(split='train', root=None, download=True):
-    """(images uint8 N×28×28, labels int64 N) of one split, read once per process (clear_cache() forgets).
-
-    Used by fashion_mnist_datasets().
-    """
+    """(images uint8 N×28×28, labels int64 N) of one split, read once per process (clear_cache() forgets)."""
     folder = find_fashion_mnist(root, download)
     key = (str(folder), split)
     if key not in _ARRAYS:
@@ -115,10 +112,7 @@ def fashion_mnist_arrays(split='train', root=None, download=True):
 
 
 def clear_cache():
-    """Forget the Fashion-MNIST arrays read so far (tests use it to switch data folders).
-
-    Used by the tests.
-    """
+    """Forget the Fashion-MNIST arrays read so far (tests use it to switch data folders)."""
     _ARRAYS.clear()
 
 

@@ -98,7 +98,6 @@ def cjk_font():
 
     Looks through matplotlib's font list first, then through the system's
     font files (a font installed after matplotlib built its cache).
-    Used by tr() and by the set-up's font check.
     """
     if 'font' not in _CJK_STATE:
         from matplotlib import font_manager

@@ -115,7 +115,6 @@ def detect_tier():
     """The hardware tier: 'T0' (CPU only), 'T1' (one GPU), 'T2' (several GPUs), 'T3' (several machines).
 
     T3 is recognised under torchrun when WORLD_SIZE exceeds LOCAL_WORLD_SIZE.
-    Used by settings() and environment_report().
     """
     world = int(os.environ.get('WORLD_SIZE', '1'))
     local = int(os.environ.get('LOCAL_WORLD_SIZE', world))
@@ -127,8 +126,6 @@ def detect_tier():
 
 def hardware_summary():
     """A dict describing this machine: Python, PyTorch, CPU, GPUs, tier.
-
-    Used by environment_report() (00).
     """
     gpus = [torch.cuda.get_device_name(i) for i in range(num_gpus())]
     return {
@@ -190,7 +187,7 @@ def environment_report(data_root=None):
         (tr('CPU cores'), tr('{cores} (PyTorch threads: {threads})', cores=info['cpu_cores'],
                              threads=info['torch_threads'])),
         ('GPU', gpus),
-        ('Fashion-MNIST', data or tr('NOT FOUND (sections 05-06 need it; see README)')),
+        ('Fashion-MNIST', data or tr('NOT FOUND (the sections that train on it say how to get it; see README)')),
         ('d2l', _d2l_version() or tr("NOT INSTALLED (the book's helpers; './course setup' installs them, see README)")),
         (tr('C++ compiler'), compiler or tr(
             'NOT FOUND: torch.compile cannot build CPU kernels (see README)')),

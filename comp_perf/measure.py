@@ -141,7 +141,6 @@ class Case(str):
     """The key of the case verdict() chose: an ordinary string that a notebook does not echo.
 
     A cell that ends with common.verdict(...) shows only the printed verdict line.
-    Used by verdict().
     """
 
     def _ipython_display_(self):

@@ -46,8 +46,7 @@ def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_
     cuda:<rank>, and it must put every tensor it communicates there. launch
     never picks NCCL by itself, however many GPUs the machine has.
 
-    fn must live in an importable module (common.py or a .py file), not in a
-    notebook. Returns the list of return values by rank. A worker's exception
+    fn must live in an importable module (a .py file), not in a notebook. Returns the list of return values by rank. A worker's exception
     is re-raised here with its traceback; a worker that dies without a word
     is named; a hang raises TimeoutError after `timeout` seconds. No process
     or port outlives the call. `threads` is each worker's PyTorch thread
@@ -103,7 +102,6 @@ def worker_device():
     """The device a launch() worker computes and communicates on: cuda:<rank> under NCCL, else the CPU.
 
     Call it inside a worker, after launch() has joined the process group.
-    Used by the workers of 00, 05 and 07.
     """
     return torch.device(f'cuda:{dist.get_rank()}') if dist.get_backend() == 'nccl' else torch.device('cpu')
 
@@ -194,7 +192,7 @@ def node_gpus(nnodes, nproc_per_node):
     """CUDA_VISIBLE_DEVICES for each of `nnodes` launchers on this host, or None to leave it alone.
 
     Only when there are several nodes and a GPU for every process: node i then gets
-    GPUs i·nproc_per_node … (i+1)·nproc_per_node − 1. Used by torchrun().
+    GPUs i·nproc_per_node … (i+1)·nproc_per_node − 1.
     """
     if nnodes == 1 or num_gpus() < nnodes * nproc_per_node:
         return [None] * nnodes
@@ -208,7 +206,7 @@ def stop_process_tree(popen, grace=5):
     """Stop a subprocess.Popen and every process below it: terminate, then kill after `grace` s.
 
     torchrun starts its workers in sessions of their own, so stopping a process
-    group is not enough. Used by torchrun() and the browser test.
+    group is not enough.
     """
     try:
         root = psutil.Process(popen.pid)

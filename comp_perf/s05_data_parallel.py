@@ -205,7 +205,6 @@ def batch_indices(order, step, batch_size, part=0, parts=1):
     every global batch has exactly batch_size examples; each rank then takes
     its own slice of it. Data-parallel workers and parameter-server workers
     use this one rule, which is why their training steps can be compared.
-    Used by dp_worker (05) and the parameter-server workers (07).
     """
     batch = order[(step * batch_size + torch.arange(batch_size)) % len(order)]
     return torch.tensor_split(batch, parts)[part]

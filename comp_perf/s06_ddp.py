@@ -17,7 +17,6 @@ from comp_perf.measure import covered_seconds
 class Residual(torch.nn.Module):
     """A ResNet basic block: two 3×3 convolutions with batch norm, plus a (projected) shortcut.
 
-    Used by resnet18() (06).
     d2l: takes its input channels explicitly (no lazy layers), so that DDP can wrap the model at once.
     """
 

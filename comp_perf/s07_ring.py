@@ -13,9 +13,6 @@ from comp_perf.measure import synchronize
 from comp_perf.pictures import bar_rows
 from comp_perf.processes import worker_device
 
-# 07 §1-4: the cost model and ring all-reduce; §5: the key-value store;
-# §6-7: a sharded parameter server over processes, with faults, and its asynchronous form
-# with bounded staleness (infrastructure below ps_process: you need not read it to follow).
 
 SYNC_STRATEGIES = ('gpu0', 'cpu', 'split', 'ring')
 # How figures and the calculator name them (through tr: Chinese in text_zh.json).
@@ -101,7 +98,6 @@ def ring_allreduce_both_ways(tensor):
     Every link carries traffic in both of its directions at once, so on
     full-duplex links each half needs half the time. The worked solution of
     07's exercise 1 (named in its solution block; the tests run it).
-    Used by comm_benchmark and ring_check in 07's exercise 1.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     flat = tensor.view(-1)

@@ -1,7 +1,5 @@
 """Section 08, ZeRO stage 1 built by hand: the reference optimiser a student's version is held to,
-the check that runs a student's file against plain single-process training on 2 gloo
-processes, and the worker that records FSDP's per-layer all-gathers, frees and
-reduce-scatters in a real fully_shard step.
+and the check that runs a student's file against plain single-process training on gloo processes.
 """
 import importlib
 import importlib.util
