@@ -145,7 +145,7 @@ def test_prose_update_keeps_outputs_and_refuses_code_changes(tmp_path, monkeypat
     ('%% md\n# x\n%% zh\n# y\n%% zh\n# z\n', '"%% zh" must follow an English cell'),
     ('%% table\nx\n', "unknown cell kind 'table'"),
     ('%% md\n# x\n', 'markdown cell 0 has no Chinese text'),
-    ('%% code\nx = 1\n%% zh\nx = 2\n', 'code cell 0 differs between en and zh beyond comments'),
+    ('%% code\nx = 1\n%% zh\nx = 2\n', 'a code cell is written once'),
 ])
 def test_bilingual_source_errors_name_the_problem(tmp_path, text, message):
     src = tmp_path / '99-bad.txt'

@@ -11,7 +11,18 @@ A source is a sequence of cells, each opened by a line that starts with '%% ':
     %% md                      a markdown cell; its English text follows
     %% zh                      ...then its Chinese text
     %% code [tag tag ...]      a code cell, shared by both languages
-    %% zh                      (optional) the same code with Chinese comments
+    %% code-only [tag ...]     a code cell whose comments are code, not prose: kept as written
+
+A code cell is written once. Each comment in it carries its Chinese beside the
+English, on the same line (in C source written by %%writefile: // and //zh):
+
+    x = f(y)  # English words  #zh 中文
+
+The English notebook shows "# English words", the Chinese one "# 中文". A prose
+comment without "#zh" is reported by `untranslated` (and a test); comments for
+tools (# noqa, # type: ...) need none. A malformed overlay ("#zh" with no English
+before it or no Chinese after it, a second or unknown marker) is an error naming
+the source's file and line, never a dropped comment.
 
 Tags are cell tags, e.g. nbval-ignore-output for cells whose output depends on
 the run (timings, hardware). `build` writes both notebooks and executes each
@@ -23,11 +34,12 @@ level-3 heading a sub-slide, and a cell that would overflow the current slide
 (estimated from its text and the stored outputs of the English notebook)
 starts a sub-slide, so one idea sits on each slide. Both languages get the
 same slide structure. `python tools/nbpair.py slides` redoes only this, and
-`python tools/nbpair.py prose <src>` copies corrected markdown into a built
-pair without re-running it (it refuses if any code changed).
+`python tools/nbpair.py prose <src>` copies corrected markdown and code
+comments into a built pair without re-running it (it refuses if any code changed).
 """
 import argparse
 import io
+import re
 import sys
 import tokenize
 from pathlib import Path
@@ -40,7 +52,8 @@ LANGS = ('en', 'zh')
 
 
 def parse(path):
-    """List of cells: dicts with type, tags, en and zh text."""
+    """List of cells: dicts with type, tags, en and zh text, the source line, and for code cells
+    `untranslated`: [(source line, comment)] of prose comments that have no Chinese."""
     cells, current, lang = [], None, 'en'
     for lineno, line in enumerate(Path(path).read_text(encoding='utf-8').splitlines(), 1):
         if line.startswith('%% '):
@@ -48,13 +61,16 @@ def parse(path):
             if words[0] == 'zh':
                 if current is None or lang == 'zh':
                     raise ValueError(f'{path}:{lineno}: "%% zh" must follow an English cell')
+                if current['type'] == 'code':
+                    raise ValueError(f'{path}:{lineno}: a code cell is written once, its Chinese comments '
+                                     f'beside the English ("# words  #zh 中文"), not in a "%% zh" copy')
                 lang = 'zh'
                 current['zh'] = []
                 continue
-            if words[0] not in ('md', 'code'):
+            if words[0] not in ('md', 'code', 'code-only'):
                 raise ValueError(f'{path}:{lineno}: unknown cell kind {words[0]!r}')
-            current, lang = {'type': words[0], 'tags': words[1:], 'en': [], 'zh': None,
-                             'line': lineno + 1}, 'en'
+            current, lang = {'type': 'md' if words[0] == 'md' else 'code', 'code_only': words[0] == 'code-only',
+                             'tags': words[1:], 'en': [], 'zh': None, 'line': lineno + 1}, 'en'
             cells.append(current)
         elif current is None:
             if line.strip():
@@ -63,28 +79,145 @@ def parse(path):
             current[lang].append(line)
     for i, cell in enumerate(cells):
         lines = cell['en']
-        cell['line'] += next((k for k, line in enumerate(lines) if line), len(lines))  # blank lines dropped
-        for lang in LANGS:
-            if cell[lang] is not None:
-                cell[lang] = '\n'.join(cell[lang]).strip('\n')
-        if cell['type'] == 'md' and cell['zh'] is None:
-            raise ValueError(f'{path}: markdown cell {i} has no Chinese text')
-        if cell['type'] == 'code':
+        first = next((k for k, line in enumerate(lines) if line), len(lines))  # blank lines dropped
+        cell['line'] += first
+        if cell['type'] == 'md':
             if cell['zh'] is None:
-                cell['zh'] = cell['en']
-            elif strip_comments(cell['zh']) != strip_comments(cell['en']):
-                raise ValueError(f'{path}: code cell {i} differs between en and zh beyond comments')
+                raise ValueError(f'{path}: markdown cell {i} has no Chinese text')
+            for lang in LANGS:
+                cell[lang] = '\n'.join(cell[lang]).strip('\n')
+            continue
+        lines = '\n'.join(lines).strip('\n').split('\n')
+        texts, missing = render_code(lines, lambda k, start=cell['line']: f'{path}:{start + k}', cell['code_only'])
+        cell.update(texts)
+        cell['untranslated'] = [(cell['line'] + k, comment) for k, comment in missing]
     return cells
 
 
-def strip_comments(src):
-    """Code without comments and blank lines, as a comparable string."""
-    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+# ---------------------------------------------------------------------------------------------
+# The comment overlay: a code cell exists once, and each of its comments carries its Chinese
+# beside the English, on the same line:    x = f(y)  # English words  #zh 中文
+# The English notebook drops "  #zh …"; the Chinese one shows "# 中文" in place of the English.
+# In a %%writefile cell of C code the same holds for // comments:  // words  //zh 中文
+
+OVERLAY = {'#': '#zh', '//': '//zh'}
+# Comments for tools, not readers: they read the same in both languages.
+PRAGMA = re.compile(r'^(#|//)\s*(noqa|type:|fmt:|pragma|pylint:|ruff:|isort:|nbval)')
+# Anything shaped like a language marker that is not exactly "#zh " (a typo would be lost).
+MARKER_LIKE = re.compile(r'(#|//)\s*(zh|cn|ZH|CN|zh-\w+)(?=[\s:：=,.]|$)')
+MAGIC = ('%', '!')   # IPython lines: left as written
+
+
+def _cell_language(lines):
+    """'c' for a %%writefile of C source, 'python' otherwise."""
+    first = lines[0].strip() if lines else ''
+    if first.startswith('%%writefile') and first.rsplit('.', 1)[-1] in ('c', 'h', 'cc', 'cpp'):
+        return 'c'
+    return 'python'
+
+
+def _c_comment_start(line):
+    """Column of a // comment outside string and character literals, or None."""
+    quote, k = None, 0
+    while k < len(line):
+        ch = line[k]
+        if quote:
+            if ch == '\\':
+                k += 1
+            elif ch == quote:
+                quote = None
+        elif ch in '"\'':
+            quote = ch
+        elif line.startswith('//', k):
+            return k
+        k += 1
+    return None
+
+
+def comment_columns(lines):
+    """{line index: column where that line's comment starts} for a code cell's lines."""
+    if _cell_language(lines) == 'c':
+        found = {i: _c_comment_start(line) for i, line in enumerate(lines) if i}
+        return {i: col for i, col in found.items() if col is not None}
+    # IPython lines become blank, so that the rest tokenizes and every row keeps its number.
+    python = ['' if line.lstrip().startswith(MAGIC) else line for line in lines]
     try:
-        toks = tokenize.generate_tokens(io.StringIO(src).readline)
+        tokens = list(tokenize.generate_tokens(io.StringIO('\n'.join(python) + '\n').readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError) as err:
+        raise ValueError(f'the cell does not tokenize as Python ({err})') from None
+    return {t.start[0] - 1: t.start[1] for t in tokens if t.type == tokenize.COMMENT}
+
+
+def split_overlay(comment):
+    """(English comment, Chinese text or None) of one comment; ValueError on a malformed overlay."""
+    lead = '//' if comment.startswith('//') else '#'
+    marker = OVERLAY[lead]
+    if comment.startswith(marker) and comment[len(marker):len(marker) + 1] in (' ', ''):
+        raise ValueError(f'"{marker}" without the English comment it translates: '
+                         f'write "{lead} English  {marker} 中文"')
+    at = comment.find(f' {marker} ')
+    english, chinese = (comment, None) if at < 0 else (comment[:at].rstrip(), comment[at + len(marker) + 2:])
+    stray = MARKER_LIKE.search(english, 1) or (chinese is not None and MARKER_LIKE.search(chinese))
+    if stray or (at < 0 and comment.rstrip().endswith(f' {marker}')):
+        raise ValueError(f'unknown or misplaced marker in {comment!r}: the overlay is '
+                         f'"{lead} English  {marker} 中文", once per comment')
+    if chinese is not None and not chinese.strip():
+        raise ValueError(f'"{marker}" with no Chinese after it in {comment!r}')
+    return english, None if chinese is None else chinese.strip()
+
+
+def needs_chinese(comment):
+    """Whether a comment is prose for a reader: words, and not a tool's pragma."""
+    return bool(re.search(r'[A-Za-z]{2,}', comment)) and not PRAGMA.match(comment)
+
+
+def render_code(lines, where, code_only=False):
+    """({'en': source, 'zh': source}, [(line index, English comment) with no Chinese]).
+
+    `where(i)` names line i of the source in errors.
+    """
+    out = {'en': list(lines), 'zh': list(lines)}
+    missing = []
+    try:
+        columns = comment_columns(lines)
+    except ValueError as err:
+        raise ValueError(f'{where(0)}: {err}') from None
+    for i, col in columns.items():
+        code, comment = lines[i][:col], lines[i][col:]
+        lead = '//' if comment.startswith('//') else '#'
+        try:
+            english, chinese = split_overlay(comment)
+        except ValueError as err:
+            raise ValueError(f'{where(i)}: {err}') from None
+        if chinese is not None and code_only:
+            raise ValueError(f'{where(i)}: a code-only cell keeps its comments as written; drop the overlay')
+        out['en'][i] = code + english
+        out['zh'][i] = code + (english if chinese is None else f'{lead} {chinese}')
+        if chinese is None and not code_only and needs_chinese(english):
+            missing.append((i, english))
+    return {lang: '\n'.join(text) for lang, text in out.items()}, missing
+
+
+def untranslated(src):
+    """['file:line: comment'] for every prose comment of a code cell that has no Chinese."""
+    name = Path(src).relative_to(ROOT) if Path(src).is_relative_to(ROOT) else Path(src)
+    return [f'{name}:{line}: {comment}' for cell in parse(src) if cell['type'] == 'code'
+            for line, comment in cell['untranslated']]
+
+
+def strip_comments(src):
+    """Code without comments and blank lines, as a comparable string (IPython lines as written)."""
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    lines = src.splitlines()
+    if _cell_language(lines) == 'c':
+        code = (line if _c_comment_start(line) is None else line[:_c_comment_start(line)] for line in lines)
+        return ' '.join(part.strip() for part in code if part.strip())
+    python = '\n'.join(repr(line.strip()) if line.lstrip().startswith(MAGIC) else line for line in lines)
+    try:
+        toks = tokenize.generate_tokens(io.StringIO(python).readline)
         return ' '.join(t.string for t in toks if t.type not in skip)
     except (tokenize.TokenError, IndentationError, SyntaxError):
-        return src  # IPython syntax (%magic, !cmd): compare as written
+        return src  # not Python: compare as written
 
 
 # The course's kernel, registered by ./course inside .venv: a notebook that asks for it runs the
@@ -200,12 +333,12 @@ def build(src, execute=True, timeout=600):
 
 
 def update_prose(src):
-    """Copy the markdown of a source into its built pair without re-running the code.
+    """Copy the markdown and the code comments of a source into its built pair without re-running.
 
     For corrections of the text only: markdown cells may be edited, split at a
-    heading, added or removed, but the code cells (their order, text and tags)
-    must be those of the last run; each keeps its stored outputs. Anything else
-    needs a new run (`build`).
+    heading, added or removed, and comments in code cells changed, but the code
+    cells (their order, their code without comments, and tags) must be those of
+    the last run; each keeps its stored outputs. Anything else needs a new run (`build`).
     """
     cells = parse(src)
     paths = [target(src, lang) for lang in LANGS]
@@ -215,8 +348,8 @@ def update_prose(src):
         want = make_notebook(cells, lang)
         old_code = [c for c in nb.cells if c.cell_type == 'code']
         new_code = [c for c in want.cells if c.cell_type == 'code']
-        if [(c.source, c.metadata.get('tags', [])) for c in old_code] != \
-           [(c.source, c.metadata.get('tags', [])) for c in new_code]:
+        if [(strip_comments(c.source), c.metadata.get('tags', [])) for c in old_code] != \
+           [(strip_comments(c.source), c.metadata.get('tags', [])) for c in new_code]:
             raise SystemExit(f'{Path(src).name}: code or its tags changed; run `build` instead.')
         for old, new in zip(old_code, new_code):
             new.outputs, new.execution_count = old.outputs, old.execution_count
@@ -339,12 +472,12 @@ def main(argv=None):
     b.add_argument('src', nargs='*')
     b.add_argument('--all', action='store_true')
     b.add_argument('--no-execute', action='store_true')
-    sub.add_parser('check', help='report notebooks that do not match their source')
+    sub.add_parser('check', help='report notebooks that do not match their source, and untranslated comments')
     sub.add_parser('slides', help='recompute the slide metadata of every pair')
     code = sub.add_parser('code', help="write every section's code cells as .py files (for linters)")
     code.add_argument('folder')
     sub.add_parser('lint', help="ruff over every section's code cells, reported at the sources' lines")
-    prose = sub.add_parser('prose', help='copy corrected markdown into built pairs, no re-run')
+    prose = sub.add_parser('prose', help='copy corrected markdown and code comments into built pairs, no re-run')
     prose.add_argument('src', nargs='+')
     args = ap.parse_args(argv)
     if args.cmd == 'build':
@@ -364,7 +497,7 @@ def main(argv=None):
         for src in sources():
             resplit(src)
         return 0
-    problems = [p for src in sources() for p in mismatches(src)]
+    problems = [p for src in sources() for p in mismatches(src) + untranslated(src)]
     print('\n'.join(problems) or 'all notebooks match their sources')
     return 1 if problems else 0
 
