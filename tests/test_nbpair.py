@@ -98,3 +98,17 @@ def test_prose_copies_new_comments_and_keeps_the_outputs(tmp_path, monkeypatch):
     src.write_text(src.read_text(encoding='utf-8').replace('x = 1', 'x = 2'), encoding='utf-8')
     with pytest.raises(SystemExit, match='code or its tags changed'):
         nbpair.update_prose(src)   # a change of code needs a run
+
+
+@pytest.mark.parametrize('src', nbpair.sources(), ids=lambda p: p.stem)
+def test_code_in_the_chinese_prose_has_chinese_comments(src):
+    # Solutions and examples in markdown are translated with their text: their comments too.
+    for cell in nbpair.parse(src):
+        if cell['type'] != 'md':
+            continue
+        for block in re.findall(r'```python\n(.*?)```', cell['zh'], flags=re.S):
+            lines = block.splitlines()
+            for i, col in nbpair.comment_columns(lines).items():
+                comment = lines[i][col:]
+                assert CJK.search(comment) or not nbpair.needs_chinese(comment), \
+                    f'{src.name}, markdown cell at line {cell["line"]}: {comment}'
