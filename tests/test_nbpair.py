@@ -6,7 +6,7 @@ import pytest
 
 from notebook_code import nbpair
 
-CJK = re.compile(r'[\u3400-\u9fff\uff00-\uffef]')
+CJK = re.compile(r'[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]')
 
 
 def _source(tmp_path, code, kind='code'):
