@@ -1,19 +1,19 @@
 """The course's map: what each section of 计算性能 · Computational Performance uses, in course order.
 
-Every notebook, worker process and torchrun script does ``import common`` and
-nothing else of the course's. This file defines nothing: each group below
-imports what one section uses for the first time, from the module of the
+Every section's notebook, and each torchrun script it writes, does ``import common``
+and nothing else of the course's. This file defines nothing: each group below
+imports what one section's page calls for the first time, from the module of the
 package ``comp_perf/`` that defines it, so ``common.launch`` is
 ``comp_perf/processes.py``'s ``launch`` and ``common.launch??`` opens that file.
-The modules are small and named for what they serve: ``language``, ``machine``,
-``measure``, ``pictures``, ``processes`` and ``fashion_mnist`` serve every
-section; ``sNN_…`` serves section NN. A section's own lesson is written on its
-page; a module holds only what a later section, a widget or a new process must
-import. tests/test_map.py keeps this file true: each name sits in the group of
-the first section that uses it.
+"First" means first on a page, not in the package, and a name no page calls is
+not here: the modules, tools, tests, set-up and instructor's guide that use it
+import it from its module. The modules are small and named for what they serve:
+``language``, ``machine``, ``measure``, ``pictures``, ``processes`` and
+``fashion_mnist`` serve every section; ``sNN_…`` serves section NN. A section's
+own lesson is written on its page; a module holds only what a later section, a
+widget or a new process must import. tests/test_map.py keeps this file true.
 """
-# 00 Start here: the reader's language, devices, tiers and settings, timing, verdicts, processes, data,
-# the book's d2l helpers beside the course's
+# 00 Start here — language, devices, settings, timing, verdicts, processes, data, the book's d2l
 from comp_perf.language import tr
 from comp_perf.machine import num_gpus, try_gpu, gpu, try_all_gpus, environment_report, settings
 from comp_perf.measure import Benchmark, measure, verdict
@@ -21,28 +21,26 @@ from comp_perf.processes import launch, allreduce_check
 from comp_perf.fashion_mnist import FASHION_LABELS, load_data_fashion_mnist
 from comp_perf.s00_book_helpers import d2l_torch, compare_with_d2l, benchmark_side_by_side
 
-# 01 Compilers and interpreters: silence what C++ libraries print around the profiler; tables aligned by
-# display width (a Chinese character takes two columns)
+# 01 Compilers and interpreters — quiet profiler output, tables aligned by display width
 from comp_perf.measure import quiet_native_stderr
 from comp_perf.language import pad
 
-# 02 Asynchronous computation: wait for the device, count the cores this process may use, draw a timeline,
-# measure a label's display width
+# 02 Asynchronous computation — device waits, usable cores, timelines, display width
 from comp_perf.machine import usable_cores
 from comp_perf.language import display_width
 from comp_perf.measure import synchronize
 from comp_perf.pictures import plot_timeline
 
-# 03 Automatic parallelism: a task graph drawn by resource (threads, streams and schedules use what 00-02 brought)
+# 03 Automatic parallelism — a task graph drawn by resource
 from comp_perf.pictures import plot_dependency_graph
 
-# 04 Hardware: cache steps, compiled C, GPU datasheets
+# 04 Hardware — cache steps, compiled C, GPU datasheets, roofline, systolic array
 from comp_perf.s04_hardware import cache_knees, compile_c, GPU_DATASHEETS, gpu_datasheet
 from comp_perf.s04_hardware import cpu_facts, describe_cpu, plot_by_size, report_cache_sweep, plot_strides
 from comp_perf.s04_hardware import plot_roofline, gpu_rate_table, plot_ladder, plot_busy_cells
 from comp_perf.s04_hardware import plot_utilisation
 
-# 05 Multi-GPU training from scratch: LeNet, training helpers, the data-parallel worker
+# 05 Multi-GPU training from scratch — LeNet, training helpers, the data-parallel worker
 from comp_perf.measure import Timer
 from comp_perf.pictures import show_source, plot_device_rows
 from comp_perf.fashion_mnist import fashion_mnist_datasets
@@ -50,14 +48,13 @@ from comp_perf.s05_data_parallel import (full_fp32, step_difference, step_tolera
                                          evaluate_accuracy, Animator, sgd, lenet_params, lenet,
                                          batch_indices, replica_devices, dp_worker)
 
-# 06 Concise multi-GPU training: ResNet-18, torchrun, DDP's communication hooks and timeline, the bucketed
-# all-reduce the student builds and its check
+# 06 Concise multi-GPU training — ResNet-18, torchrun, DDP hooks and timeline, bucketed all-reduce
 from comp_perf.processes import torchrun
 from comp_perf.s06_ddp import (resnet18, overlapped_hook, after_backward_hook, ddp_timeline,
                                plot_ddp_timeline)
 from comp_perf.s06_bucketed import make_buckets, BucketedAllReduce, check_bucketed_allreduce, show_solution
 
-# 07 Parameter servers: sync costs, ring all-reduce, the key-value store, a sharded server on processes
+# 07 Parameter servers — sync costs, ring all-reduce, key-value store, a sharded server
 from comp_perf.processes import WorkerError
 from comp_perf.fashion_mnist import find_fashion_mnist
 from comp_perf.s05_data_parallel import LENET_SHAPES
@@ -68,7 +65,7 @@ from comp_perf.s07_parameter_server import (KVStore, shard_keys, PSFault, ps_pro
                                             save_checkpoint, ps_server, ps_worker,
                                             ps_async_process, ps_in_turn)
 
-# 08 Beyond data parallelism: memory per parameter, sharded, tensor and pipeline parallelism
+# 08 Beyond data parallelism — memory, ZeRO and FSDP, tensor and pipeline parallelism, a 2-D mesh
 from comp_perf.processes import worker_device
 from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_PARTS, zero_memory,
                                                 training_memory, saved_activation_bytes,
@@ -80,30 +77,6 @@ from comp_perf.s08_zero_by_hand import Zero1, check_zero1
 from comp_perf.s08_fsdp_timeline import fsdp_timeline, plot_fsdp_timeline
 from comp_perf.s08_combining import draw_mesh_2d, mesh_2d_training, plan_estimate, plot_plan_memory
 
-# 09 Make one training step fast: the augmented dataset DataLoader workers import, step timing
+# 09 Make one training step fast — augmented images for DataLoader workers, step timing
 from comp_perf.s09_training_step import AugmentedImages, timed_steps
 
-# guide Instructor's guide: each section's estimated minutes, and the lecture plan checked against the stored notebooks
-from comp_perf.course_load import (WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, MAX_STRETCH_WORDS, cell_seconds,
-                                   notebook_load)
-from comp_perf.lecture_plan import (LECTURE_MINUTES, QUIZ_MINUTES, DISCUSSION_MINUTES, MATERIAL_MINUTES,
-                                    LECTURES, SIX_LECTURES, CUT_DROPS, stored_notebooks, headings,
-                                    lecture_load, plan_problems)
-
-# Behind the helpers above (no notebook calls these; other helpers, the set-up and the tools do)
-from comp_perf.language import CATALOG_FILE, course_language, read_catalog, zh_text, CJK_FONTS, cjk_font, in_notebook
-from comp_perf.machine import (CUDA_WARNINGS, TIER_TEXT, TIER_REAL, detect_tier, hardware_summary,
-                               unusable_gpus, SETTINGS_ENV)
-from comp_perf.measure import Case, covered_seconds
-from comp_perf.pictures import bar_rows
-from comp_perf.processes import free_port, node_gpus, stop_process_tree
-from comp_perf.fashion_mnist import ROOT, DATA_DIR, DEBIAN_DIR, FASHION_FILES, fashion_mnist_arrays, clear_cache
-from comp_perf.s06_ddp import Residual
-from comp_perf.s06_bucketed import CHECK_RUN, TOLERANCE, bucketed_check, bucketed_parts
-from comp_perf.s07_ring import RING_ALGORITHMS
-from comp_perf.s08_beyond_data_parallel import (local_bytes, count_collectives, mlp_block, pipeline_model,
-                                                pipeline_stage_part)
-from comp_perf.s00_book_helpers import D2L_VERSION, DIFFERENCES, CHECKS, products_size
-from comp_perf.course_load import without_folded, prose_words, has_figure, stretches, load
-from comp_perf.lecture_plan import Part, Lecture, taught_sections, resolve, exercise_numbers
-from comp_perf.s08_zero_by_hand import zero1_check_worker

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-import common
+from comp_perf.processes import free_port, stop_process_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / 'artifacts' / 'browser'
@@ -66,7 +66,7 @@ def lab(tmp_path_factory):
     settings = home / 'settings' / '@jupyterlab' / 'notebook-extension'
     settings.mkdir(parents=True)
     (settings / 'tracker.jupyterlab-settings').write_text(json.dumps({'windowingMode': 'none'}))
-    port, token = common.free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     log = open(home / 'lab.log', 'w')
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(home / 'settings'),
                JUPYTERLAB_WORKSPACES_DIR=str(home / 'workspaces'))
@@ -80,7 +80,7 @@ def lab(tmp_path_factory):
         wait_for_lab(server, url, token, home / 'lab.log', 90)
         yield url, token
     finally:
-        common.stop_process_tree(server)
+        stop_process_tree(server)
         log.close()
 
 

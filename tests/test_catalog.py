@@ -143,7 +143,7 @@ def test_chinese_figure_text_renders_without_missing_glyphs(monkeypatch):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    if common.cjk_font() is None:
+    if language.cjk_font() is None:
         if os.environ.get('CI'):
             pytest.fail('no Chinese font: ./course setup installs fonts-wqy-microhei')
         pytest.skip('no Chinese font on this machine')

@@ -10,7 +10,7 @@ import pytest
 import requests
 from test_browser import wait_for_lab
 
-import common
+from comp_perf.processes import free_port, stop_process_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,7 @@ def _open_course(tmp_path, prefix=()):
     """Run `./course lab` (behind `prefix`, e.g. a user namespace) until JupyterLab answers; return its log."""
     home = tmp_path / 'home'
     home.mkdir()
-    port, token = common.free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     env = dict(os.environ, HOME=str(home), JUPYTERLAB_WORKSPACES_DIR=str(home / 'workspaces'),
                JUPYTERLAB_SETTINGS_DIR=str(home / 'settings'), JUPYTER_RUNTIME_DIR=str(home / 'runtime'),
                MPLCONFIGDIR=str(home / 'matplotlib'))
@@ -36,7 +36,7 @@ def _open_course(tmp_path, prefix=()):
                                     timeout=10).json()
             assert '00-start-here.ipynb' in {item['name'] for item in contents['content']}
         finally:
-            common.stop_process_tree(lab)
+            stop_process_tree(lab)
     return log_path.read_text()
 
 

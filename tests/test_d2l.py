@@ -1,8 +1,10 @@
 """The book's d2l package: installed by the set-up, importable with the course's PyTorch, and
 every course helper that shares a d2l name says how it differs (checked against d2l itself)."""
 import contextlib
+import importlib
 import inspect
 import io
+import pkgutil
 import sys
 
 import matplotlib
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 import common
+import comp_perf
 from comp_perf import s00_book_helpers as book
 
 
@@ -36,20 +39,26 @@ def test_importing_d2l_changes_no_matplotlib_setting():
     assert matplotlib.get_backend()  # this process is untouched either way
 
 
-def shared_names(d2l):
-    return sorted(n for n in dir(common) if not n.startswith('_') and hasattr(d2l, n)
-                  and callable(getattr(common, n)))
+def course_helpers():
+    """{name: function or class} of everything public the package defines, whether or not a page calls it."""
+    found = {}
+    for info in pkgutil.iter_modules(comp_perf.__path__):
+        module = importlib.import_module(f'comp_perf.{info.name}')
+        found.update({name: value for name, value in vars(module).items() if not name.startswith('_')
+                      and callable(value) and getattr(value, '__module__', None) == module.__name__})
+    return found
 
 
 def test_no_silent_duplicates(d2l):
     """Every course helper with a d2l name says in its docstring how it differs from d2l's."""
-    names = shared_names(d2l)
+    helpers = course_helpers()
+    names = sorted(name for name in helpers if hasattr(d2l, name))
     assert set(names) == set(book.DIFFERENCES), \
         f'course helpers named like d2l\'s without a stated difference: {set(names) - set(book.DIFFERENCES)}'
     for name in names:
-        doc = ' '.join((getattr(common, name).__doc__ or '').split())
-        assert f'd2l: {book.DIFFERENCES[name]}.' in doc, f'common.{name}: its docstring needs the line ' \
-            f'"d2l: {book.DIFFERENCES[name]}."'
+        doc = ' '.join((helpers[name].__doc__ or '').split())
+        assert f'd2l: {book.DIFFERENCES[name]}.' in doc, \
+            f'{helpers[name].__module__}.{name}: its docstring needs the line "d2l: {book.DIFFERENCES[name]}."'
 
 
 def test_every_stated_difference_is_true_of_the_installed_d2l(d2l):

@@ -11,6 +11,7 @@ import common
 import comp_perf.fashion_mnist
 import comp_perf.language
 import comp_perf.measure
+from comp_perf.fashion_mnist import DATA_DIR, FASHION_FILES, clear_cache
 
 
 def _write_idx(path, array):
@@ -23,16 +24,16 @@ def _write_idx(path, array):
 def tiny_fashion(tmp_path, monkeypatch):
     """A fake Fashion-MNIST in tmp/fashion-mnist: 20 training and 10 test images."""
     monkeypatch.setattr(comp_perf.fashion_mnist, 'DEBIAN_DIR', tmp_path / 'no-debian')
-    common.clear_cache()
+    clear_cache()
     folder = tmp_path / 'fashion-mnist'
     folder.mkdir()
     rng = np.random.default_rng(0)
     for split, n in (('train', 20), ('test', 10)):
-        images, labels = common.FASHION_FILES[split]
+        images, labels = FASHION_FILES[split]
         _write_idx(folder / f'{images}.gz', rng.integers(0, 256, (n, 28, 28)))
         _write_idx(folder / f'{labels}.gz', np.arange(n) % 10)
     yield tmp_path
-    common.clear_cache()
+    clear_cache()
 
 
 def test_loader_reads_idx_files(tiny_fashion):
@@ -84,7 +85,7 @@ def test_failed_download_stops_within_seconds(tmp_path, monkeypatch):
 
 
 def test_real_fashion_mnist_when_installed(fashion_mnist):
-    common.clear_cache()
+    clear_cache()
     train, test = common.fashion_mnist_datasets()
     assert (len(train), len(test)) == (60000, 10000)
     assert sorted(test.tensors[1].unique().tolist()) == list(range(10))
@@ -96,8 +97,8 @@ def test_real_fashion_mnist_when_installed(fashion_mnist):
 
 def test_the_course_data_folder_is_the_checkouts_data_folder():
     # README: "Fashion-MNIST is looked for in data/fashion-mnist/ …" of the checkout.
-    assert common.DATA_DIR == Path(__file__).resolve().parent.parent / 'data'
-    assert (common.DATA_DIR / 'README.md').is_file()
+    assert DATA_DIR == Path(__file__).resolve().parent.parent / 'data'
+    assert (DATA_DIR / 'README.md').is_file()
 
 
 def test_the_loader_takes_its_options_by_name():

@@ -9,6 +9,7 @@ import common
 import comp_perf.fashion_mnist
 import comp_perf.language
 import comp_perf.measure
+from comp_perf.machine import SETTINGS_ENV, detect_tier
 
 
 def test_try_gpu_falls_back_to_cpu(monkeypatch, fake_gpus):
@@ -48,7 +49,7 @@ def test_detect_tier_counts_gpus_and_machines(monkeypatch, fake_gpus, gpus, env,
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert common.detect_tier() == tier
+    assert detect_tier() == tier
 
 
 def test_environment_report_names_tier_and_data(monkeypatch, fake_gpus, tmp_path, capsys):
@@ -71,7 +72,7 @@ def test_environment_report_speaks_chinese_in_zh_folder(monkeypatch, fake_gpus, 
 
 
 def test_settings_pick_tier_and_fall_back(monkeypatch, fake_gpus, capsys):
-    monkeypatch.delenv(common.SETTINGS_ENV, raising=False)
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
     fake_gpus(4)
     cfg = common.settings(T0=dict(epochs=1), T1=dict(epochs=5))
     assert (cfg.tier, cfg.epochs) == ('T2', 5)  # no T2 entry: falls back to T1
@@ -80,7 +81,7 @@ def test_settings_pick_tier_and_fall_back(monkeypatch, fake_gpus, capsys):
 
 def test_settings_override_by_environment(monkeypatch, fake_gpus, capsys):
     fake_gpus(1)
-    monkeypatch.setenv(common.SETTINGS_ENV, 'T0, epochs=3, name=fast')
+    monkeypatch.setenv(SETTINGS_ENV, 'T0, epochs=3, name=fast')
     cfg = common.settings(T0=dict(epochs=1, name='x', lr=0.1), T1=dict(epochs=9, name='y', lr=0.2))
     assert (cfg.tier, cfg.epochs, cfg.name, cfg.lr) == ('T0', 3, 'fast', 0.1)
     assert "epochs=3" in capsys.readouterr().out
@@ -88,25 +89,25 @@ def test_settings_override_by_environment(monkeypatch, fake_gpus, capsys):
 
 @pytest.mark.parametrize('value,message', [('T9', 'neither a tier'), ('epoch=3', 'unknown setting')])
 def test_settings_bad_override_is_explained(monkeypatch, value, message):
-    monkeypatch.setenv(common.SETTINGS_ENV, value)
+    monkeypatch.setenv(SETTINGS_ENV, value)
     with pytest.raises(ValueError, match=message):
         common.settings(T0=dict(epochs=1))
 
 
 def test_settings_print_no_override_note_without_an_override(monkeypatch, fake_gpus, capsys):
-    monkeypatch.delenv(common.SETTINGS_ENV, raising=False)
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
     fake_gpus(0)
     common.settings(T0=dict(epochs=1))
     out = capsys.readouterr().out
     assert 'override' not in out and 'epochs=1' in out
-    monkeypatch.setenv(common.SETTINGS_ENV, 'T1')
+    monkeypatch.setenv(SETTINGS_ENV, 'T1')
     common.settings(T0=dict(epochs=1), T1=dict(epochs=4))
     assert 'override: COURSE_SETTINGS tier=T1]' in capsys.readouterr().out
 
 
 def test_settings_higher_tiers_inherit_so_cpu_sizes_stay(monkeypatch, fake_gpus, capsys):
     # A CPU stand-in experiment keeps its T0 size on a GPU machine unless a tier changes it.
-    monkeypatch.delenv(common.SETTINGS_ENV, raising=False)
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
     fake_gpus(1)
     cfg = common.settings(T0=dict(cpu_matrix=512, gpu_matrix=512), T1=dict(gpu_matrix=4096))
     assert (cfg.tier, cfg.cpu_matrix, cfg.gpu_matrix) == ('T1', 512, 4096)
@@ -122,7 +123,7 @@ def test_settings_higher_tiers_inherit_so_cpu_sizes_stay(monkeypatch, fake_gpus,
 ])
 def test_settings_overrides_must_have_the_notebooks_types(monkeypatch, fake_gpus, capsys, value, ok):
     fake_gpus(0)
-    monkeypatch.setenv(common.SETTINGS_ENV, value)
+    monkeypatch.setenv(SETTINGS_ENV, value)
     call = lambda: common.settings(  # noqa: E731
         T0=dict(epochs=1, lr=0.1, subset=100, sizes=(1, 4), flag=True), T1=dict(subset=None))
     if ok is None:

@@ -1,39 +1,50 @@
-"""common.py is the course's map: each name in the group of the first section that uses it.
+"""common.py is the students' map: each name in the group of the first section page that calls it.
 
-The map is computed here from the notebook sources, not kept by hand: a name moved,
-added or no longer used makes one of these tests fail with what to change.
+The map is computed here from the section pages, not kept by hand: a name moved, added
+or no longer called makes one of these tests fail with what to change. What no page
+calls is not in the map: its users (other modules, tools, tests, the set-up, the
+instructor's guide) import it from its module, and a test here checks that one does.
 """
 import ast
 import re
-import sys
 from pathlib import Path
 
 import pytest
-from notebook_code import section_of
+from notebook_code import nbpair, section_of
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / 'comp_perf'
 MAP = ROOT / 'common.py'
-BEHIND = 'behind'            # the last group: what no notebook calls
+# A group's header, one short line of one shape: '# 04 Hardware — cache steps, compiled C, GPU datasheets'.
+HEADER = re.compile(r'# (\d\d) (\S.*?) — \S')
+HEADER_LENGTH = 100          # characters: a line of contents, not a paragraph
 LARGEST_MODULE = 500         # lines
 
 
 def section_sources():
-    """{section: source text}: '00' … for the numbered sections, 'guide' for the instructor's guide."""
-    out = {}
-    for src in sorted((ROOT / 'notebooks' / 'src').glob('*.txt')):
-        out[section_of(src)] = src.read_text(encoding='utf-8')
-    return out
+    """{section: source text} of the section pages, '00' … '09' (the instructor's guide is not one)."""
+    return {section_of(src): src.read_text(encoding='utf-8')
+            for src in sorted((ROOT / 'notebooks' / 'src').glob('[0-9][0-9]-*.txt'))}
+
+
+def section_titles():
+    """{section: title} from 00's course map: '| 04 | [Hardware](04-hardware.ipynb) | …'."""
+    titles = {}
+    rows = re.findall(r'^\| (\d\d) \| (?:\*\*(.+?)\*\*|\[(.+?)\])', section_sources()['00'], re.M)
+    for number, bold, link in rows:
+        titles.setdefault(number, bold or link)   # the English table comes before the Chinese one
+    return titles
 
 
 def common_names(text):
-    return set(re.findall(r'\bcommon\.([A-Za-z_]\w*)', text))
+    # common.py is the file, not a name in it
+    return set(re.findall(r'\bcommon\.(?!py\b)([A-Za-z]\w*)', text))
 
 
 def first_users():
-    """{name: the first section (in course order) whose source uses common.name}."""
+    """{name: the first section (in course order) whose page calls common.name}."""
     first = {}
-    for section, text in section_sources().items():   # '00' < … < '09' < 'guide'
+    for section, text in section_sources().items():   # '00' < … < '09'
         for name in sorted(common_names(text)):
             first.setdefault(name, section)
     return first
@@ -54,20 +65,89 @@ def definitions():
 
 
 def read_map(text=None):
-    """[(group, [(module, name), ...])] in the order of common.py; group is 'NN', 'guide' or 'behind'."""
+    """[(section, [(module, name), ...])] in the order of common.py, one group per header line."""
     text = MAP.read_text(encoding='utf-8') if text is None else text
-    tree = ast.parse(text)
-    imports = {node.lineno: node for node in tree.body if isinstance(node, ast.ImportFrom)}
-    groups, lines = [], text.splitlines()
-    for lineno, line in enumerate(lines, 1):
-        header = re.match(r'# (\d\d|guide) [A-Z]', line) or re.match(r'# (Behind) ', line)
+    imports = {node.lineno: node for node in ast.parse(text).body if isinstance(node, ast.ImportFrom)}
+    groups = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        header = HEADER.match(line)
         if header:
-            groups.append((header.group(1).lower() if header.group(1) == 'Behind' else header.group(1), []))
+            groups.append((header.group(1), []))
         if lineno in imports:
             node = imports[lineno]
             assert groups, f'common.py:{lineno}: an import before the first group header'
             groups[-1][1].extend((node.module.split('.')[-1], alias.name) for alias in node.names)
     return groups
+
+
+def misplaced(groups, first):
+    """(name, its group, the section of its first caller) for each name not in the group the pages give it.
+
+    None on the left: a page calls it, the map lacks it; None on the right: the map lists it, no page calls it.
+    """
+    listed = [(name, group) for group, entries in groups for _, name in entries]
+    wrong = [(name, group, first.get(name)) for name, group in listed if first.get(name) != group]
+    names = {name for name, _ in listed}
+    return wrong + [(name, None, section) for name, section in first.items() if name not in names]
+
+
+def doubled(names):
+    """The names that occur more than once."""
+    return sorted({name for name in names if names.count(name) > 1})
+
+
+def set_up_programs():
+    """The Python that the set-up script `course` runs: its -c '…' programs and <<'PY' here-documents."""
+    text = (ROOT / 'course').read_text(encoding='utf-8')
+    return re.findall(r"-c '([^']*)'", text) + re.findall(r"<<'PY'\n(.*?)\nPY\n", text, re.S)
+
+
+def code_trees():
+    """[(module, tree)] for all the Python that may use the package; module names a package file, else None.
+
+    The package, tools/, tests/, the set-up's programs and every notebook's code cells (the guide's included).
+    """
+    trees = [(path.stem if path.parent == PACKAGE else None, ast.parse(path.read_text(encoding='utf-8')))
+             for folder in (PACKAGE, ROOT / 'tools', ROOT / 'tests') for path in sorted(folder.glob('*.py'))]
+    trees += [(None, ast.parse(code)) for code in set_up_programs()]
+    trees += [(None, ast.parse(code)) for src in nbpair.sources() for code in nbpair.python_code(src).values()]
+    return trees
+
+
+def references(tree, module=None):
+    """{(module, name)} of the package that a tree refers to.
+
+    Counted: an import (from comp_perf.M import name), an attribute of an imported module (M.name,
+    comp_perf.M.name) and, in the defining module itself, a read of the name. A docstring or comment
+    that mentions a name is not a use, nor is a same-named variable elsewhere.
+    """
+    modules, found = {}, set()   # modules: {local name: package module it stands for}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == 'comp_perf':
+            modules.update({alias.asname or alias.name: alias.name for alias in node.names})
+        elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('comp_perf.'):
+            found |= {(node.module.split('.')[1], alias.name) for alias in node.names}
+        elif isinstance(node, ast.Import):
+            modules.update({alias.asname: alias.name.split('.')[1] for alias in node.names
+                            if alias.asname and alias.name.startswith('comp_perf.')})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in modules:
+                found.add((modules[owner.id], node.attr))
+            elif isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) \
+                    and owner.value.id == 'comp_perf':
+                found.add((owner.attr, node.attr))
+        elif module and isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            found.add((module, node.id))
+    return found
+
+
+def unused(defined, listed, trees):
+    """(name, module) of each public name that the map does not list and no code refers to."""
+    used = set().union(*(references(tree, module) for module, tree in trees))
+    return sorted((name, module) for name, module in defined.items()
+                  if name not in listed and (module, name) not in used)
 
 
 def test_the_map_defines_nothing_and_imports_only_from_the_package():
@@ -79,29 +159,28 @@ def test_the_map_defines_nothing_and_imports_only_from_the_package():
         assert all(alias.asname is None for alias in node.names), f'common.py:{node.lineno}: no renaming'
 
 
-def test_every_section_has_a_group_in_course_order():
-    groups = [group for group, _ in read_map()]
-    sections = [s for s in section_sources() if s != 'guide']
-    assert [g for g in groups if g not in ('guide', BEHIND)] == sections, \
-        f'one group per section, in course order: {sections}; the map has {groups}'
-    assert groups[-1] == BEHIND, 'the last group holds what no notebook calls'
+def test_every_section_has_a_group_in_course_order_under_a_one_line_header():
+    comments = [line for line in MAP.read_text(encoding='utf-8').splitlines() if line.startswith('#')]
+    odd = [line for line in comments if not HEADER.match(line) or len(line) > HEADER_LENGTH]
+    assert not odd, f'a group has one header line (at most {HEADER_LENGTH} characters), ' \
+        f'"# NN Title — what it brings", and no other comment: {odd}'
+    titles = section_titles()
+    headers = [HEADER.match(line).group(1, 2) for line in comments]
+    expected = [(section, titles.get(section)) for section in section_sources()]
+    assert headers == expected, f'one group per section, in course order, titled as in 00\'s course map: {expected}'
 
 
-def test_every_public_name_of_the_package_is_in_the_map_once_from_where_it_is_defined():
+def test_every_name_in_the_map_is_listed_once_from_where_it_is_defined():
     defined = definitions()
     listed = [(module, name) for _, entries in read_map() for module, name in entries]
-    names = [name for _, name in listed]
-    assert sorted(n for n in set(names) if names.count(n) > 1) == []
-    assert sorted(set(defined) - set(names)) == [], 'add these to common.py'
+    assert doubled([name for _, name in listed]) == []
     wrong = [(name, module, defined.get(name)) for module, name in listed if defined.get(name) != module]
     assert not wrong, f'(name, imported from, defined in): {wrong}'
 
 
-def test_each_name_sits_in_the_group_of_the_first_section_that_uses_it():
-    first = first_users()
-    misplaced = [(name, group, first.get(name, BEHIND)) for group, entries in read_map()
-                 for _, name in entries if first.get(name, BEHIND) != group]
-    assert not misplaced, f'(name, its group, the group of its first user): {misplaced}'
+def test_each_name_sits_in_the_group_of_the_first_section_page_that_calls_it():
+    wrong = misplaced(read_map(), first_users())
+    assert not wrong, f'(name, its group, the section of its first caller; None where there is none): {wrong}'
 
 
 def test_a_section_module_serves_no_earlier_section():
@@ -111,21 +190,26 @@ def test_a_section_module_serves_no_earlier_section():
     assert not early, f'(name, module, used first by): move these to a shared module: {early}'
 
 
-def test_what_no_notebook_calls_is_still_used_by_the_package_the_set_up_or_a_tool():
-    # Tests do not count: a helper only a test calls is dead code.
-    package = {path.stem: path.read_text(encoding='utf-8') for path in PACKAGE.glob('*.py')}
-    tools = '\n'.join(p.read_text(encoding='utf-8') for p in (ROOT / 'tools').glob('*.py'))
-    tools += (ROOT / 'course').read_text(encoding='utf-8')
-    defined = definitions()
-    unused = []
-    for group, entries in read_map():
-        for module, name in entries:
-            if group != BEHIND:
-                continue
-            uses = sum(len(re.findall(rf'\b{name}\b', text)) for text in package.values())
-            if uses < 2 and f'common.{name}' not in tools:   # one is its own definition
-                unused.append((name, defined[name]))
-    assert not unused, f'nothing uses these: {unused}'
+def test_a_section_page_reaches_the_course_only_through_common():
+    # The map is the students' namespace: a page that imported a module would bypass it.
+    offenders = []
+    for src in nbpair.sources():
+        if section_of(src) == 'guide':
+            continue
+        for name, code in nbpair.python_code(src).items():
+            for node in ast.walk(ast.parse(code)):
+                modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ''] if isinstance(node, ast.ImportFrom) else []
+                offenders += [(name, module) for module in modules if module.split('.')[0] == 'comp_perf']
+    assert not offenders, f'(code of, import): call these through common instead: {offenders}'
+
+
+def test_every_public_name_is_called_by_a_page_or_used_by_other_code():
+    # "Other code": the package, tools, tests, the set-up, the guide; what none of them refers to is dead.
+    # Tests count: a hook such as fashion_mnist.clear_cache exists for them.
+    listed = {name for _, entries in read_map() for _, name in entries}
+    dead = unused(definitions(), listed, code_trees())
+    assert not dead, f'(name, module): nothing uses these; remove them: {dead}'
 
 
 def _common_attributes(code):
@@ -136,13 +220,11 @@ def _common_attributes(code):
 
 def test_every_common_name_the_course_uses_exists():
     import common
-    sys.path.insert(0, str(ROOT / 'tools'))
-    import nbpair
     used = {p.relative_to(ROOT).as_posix(): _common_attributes(p.read_text(encoding='utf-8'))
             for pattern in ('tests/*.py', 'tools/*.py') for p in ROOT.glob(pattern)}
     for src in nbpair.sources():   # code cells, and prose and solutions: `common.X`
-        used[src.name] = common_names(src.read_text(encoding='utf-8')) - {'py'}
-    used['course'] = common_names((ROOT / 'course').read_text(encoding='utf-8')) - {'py'}
+        used[src.name] = common_names(src.read_text(encoding='utf-8'))
+    used['course'] = common_names((ROOT / 'course').read_text(encoding='utf-8'))
     missing = sorted((where, name) for where, names in used.items() for name in names
                      if not hasattr(common, name))
     assert not missing, f'(file, common.X that does not exist): {missing}'
@@ -177,18 +259,39 @@ def test_no_hand_kept_note_says_where_a_name_is_used():
     assert not offenders, f'the map and the tests say where a name is used, not hand-kept notes: {offenders}'
 
 
-@pytest.mark.parametrize('planted, complaint', [
-    ('from comp_perf.machine import settings\n', 'settings'),          # in the wrong group
-    ('from comp_perf.s05_data_parallel import sgd\n', 'sgd'),           # twice
+@pytest.mark.parametrize('planted, removed, wrong, twice', [
+    # 01 gains a name that belongs to 00, one that 05 already lists, one that no page calls;
+    # or the map loses a name that 03's page calls.
+    ('from comp_perf.machine import settings\n', '', [('settings', '01', '00')], ['settings']),
+    ('from comp_perf.s05_data_parallel import sgd\n', '', [('sgd', '01', '05')], ['sgd']),
+    ('from comp_perf.fashion_mnist import clear_cache\n', '', [('clear_cache', '01', None)], []),
+    ('', 'from comp_perf.pictures import plot_dependency_graph\n', [('plot_dependency_graph', None, '03')], []),
 ])
-def test_the_map_checks_fail_on_a_planted_mistake(planted, complaint):
-    # The 01 group gains a name that belongs to 00 (settings) or that 05 already lists (sgd).
+def test_the_map_checks_fail_on_a_planted_mistake(planted, removed, wrong, twice):
     text = MAP.read_text(encoding='utf-8')
     header = next(line for line in text.splitlines() if line.startswith('# 01 '))
     broken = text.replace(header + '\n', header + '\n' + planted)
+    if removed:
+        assert removed in broken
+        broken = broken.replace(removed, '')
     groups = read_map(broken)
-    first = first_users()
-    names = [name for _, entries in groups for _, name in entries]
-    misplaced = [name for group, entries in groups for _, name in entries
-                 if first.get(name, BEHIND) != group]
-    assert complaint in misplaced and names.count(complaint) == 2
+    assert misplaced(groups, first_users()) == wrong
+    assert doubled([name for _, entries in groups for _, name in entries]) == twice
+
+
+def test_the_unused_check_fails_on_a_planted_helper():
+    # A module 'planted' defines planted_helper, and only a docstring names it: a text match counted
+    # that as a use. A same-named variable elsewhere is no use either; a call or an import is.
+    defined = {**definitions(), 'planted_helper': 'planted'}
+    listed = {name for _, entries in read_map() for _, name in entries}
+    trees = code_trees()
+    module = 'def planted_helper():\n    return 1\n\n\ndef caller():\n    """Like planted_helper()."""\n'
+    elsewhere = 'planted_helper = 2\nprint(planted_helper)\n'
+    planted = trees + [('planted', ast.parse(module)), (None, ast.parse(elsewhere))]
+    assert unused(defined, listed, planted) == [('planted_helper', 'planted')]
+    called = module.replace('"""Like planted_helper()."""', 'return planted_helper()')
+    assert unused(defined, listed, trees + [('planted', ast.parse(called))]) == []
+    imported = 'from comp_perf.planted import planted_helper\nplanted_helper()\n'
+    assert unused(defined, listed, planted + [(None, ast.parse(imported))]) == []
+    attribute = 'from comp_perf import planted as p\np.planted_helper()\n'
+    assert unused(defined, listed, planted + [(None, ast.parse(attribute))]) == []

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+from comp_perf.s06_bucketed import TOLERANCE, bucketed_check, bucketed_parts
 from notebook_code import ROOT, nbpair
 
 NO_DIVISION = '''
@@ -145,22 +146,22 @@ GOOD_STEP = [('gradient', 'd', 0.1), ('gradient', 'c', 0.2), ('all-reduce', 2, 0
 
 
 def test_parts_pass_a_good_step_and_name_each_failure():
-    parts = common.bucketed_parts(_result([GOOD_STEP, GOOD_STEP]))
+    parts = bucketed_parts(_result([GOOD_STEP, GOOD_STEP]))
     assert {name: ok for name, (ok, _) in parts.items()} == {'grads': True, 'overlap': True, 'buckets': True}
     assert parts['overlap'][1] == (1, 2)
-    assert not common.bucketed_parts(_result([GOOD_STEP], grad_gap=1.0))['grads'][0]
-    assert not common.bucketed_parts(_result([GOOD_STEP], param_gap=2 * common.TOLERANCE))['grads'][0]
+    assert not bucketed_parts(_result([GOOD_STEP], grad_gap=1.0))['grads'][0]
+    assert not bucketed_parts(_result([GOOD_STEP], param_gap=2 * TOLERANCE))['grads'][0]
     late = [e for e in GOOD_STEP if e[0] == 'gradient'] + [('all-reduce', 2, 0.5, True), ('all-reduce', 2, 0.6, True)]
-    assert not common.bucketed_parts(_result([GOOD_STEP, late]))['overlap'][0]   # every step must overlap
+    assert not bucketed_parts(_result([GOOD_STEP, late]))['overlap'][0]   # every step must overlap
     waiting = [e[:3] + (False,) if e[0] == 'all-reduce' else e for e in GOOD_STEP]
-    assert not common.bucketed_parts(_result([waiting]))['overlap'][0]   # a blocking all-reduce hides nothing
+    assert not bucketed_parts(_result([waiting]))['overlap'][0]   # a blocking all-reduce hides nothing
     one = [e for e in GOOD_STEP if e[0] == 'gradient'] + [('all-reduce', 4, 0.5, True)]
-    assert not common.bucketed_parts(_result([one]))['buckets'][0]
+    assert not bucketed_parts(_result([one]))['buckets'][0]
     each = [e for pair in zip([e for e in GOOD_STEP if e[0] == 'gradient'], [('all-reduce', 1, 0, True)] * 4)
             for e in pair]
-    parts = common.bucketed_parts(_result([each]))
+    parts = bucketed_parts(_result([each]))
     assert parts['overlap'][0] and not parts['buckets'][0]   # one all-reduce per parameter is not bucketing
-    assert not common.bucketed_parts(_result([]))['overlap'][0]
+    assert not bucketed_parts(_result([]))['overlap'][0]
 
 
 # With processes (common.launch): the reference, planted bugs and the notebook's skeleton
@@ -171,12 +172,12 @@ def planted(tmp_path_factory):
     folder = tmp_path_factory.mktemp('planted')
     for name, code in PLANTED.items():
         (folder / f'{name}.py').write_text(code)
-    return {name: common.launch(common.bucketed_check, 2, name, str(folder), None, threads=1, timeout=120,
+    return {name: common.launch(bucketed_check, 2, name, str(folder), None, threads=1, timeout=120,
                                 op_timeout=60)[0] for name in PLANTED}
 
 
 def _passed(result):
-    return {name: ok for name, (ok, _) in common.bucketed_parts(result).items()}
+    return {name: ok for name, (ok, _) in bucketed_parts(result).items()}
 
 
 @pytest.mark.procs
@@ -203,7 +204,7 @@ def test_forgetting_to_divide_fails_the_gradients_only(planted):
 
 def test_sending_after_backward_fails_the_overlap_only(planted):
     assert _passed(planted['after_backward']) == {'grads': True, 'overlap': False, 'buckets': True}
-    assert common.bucketed_parts(planted['after_backward'])['overlap'][1][0] == 0
+    assert bucketed_parts(planted['after_backward'])['overlap'][1][0] == 0
 
 
 def test_a_blocking_all_reduce_during_backward_fails_the_overlap(planted):

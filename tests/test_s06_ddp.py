@@ -7,6 +7,7 @@ import torch
 from process_checks import alive, children, wait_until
 
 import common
+from comp_perf.processes import node_gpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,14 +71,14 @@ def test_two_nodes_on_a_multi_gpu_host_see_their_own_gpus(monkeypatch, fake_gpus
     """On T2, two launchers must not both give LOCAL_RANK 0 the same cuda:0 (NCCL refuses)."""
     fake_gpus(4)
     monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
-    assert common.node_gpus(2, 1) == ['0', '1']
-    assert common.node_gpus(2, 2) == ['0,1', '2,3']
-    assert common.node_gpus(1, 4) == [None]                 # one node: leave the environment alone
-    assert common.node_gpus(3, 2) == [None, None, None]     # not a GPU for every process: leave it
+    assert node_gpus(2, 1) == ['0', '1']
+    assert node_gpus(2, 2) == ['0,1', '2,3']
+    assert node_gpus(1, 4) == [None]                 # one node: leave the environment alone
+    assert node_gpus(3, 2) == [None, None, None]     # not a GPU for every process: leave it
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '4,5,6,7')   # the user already restricted the GPUs
-    assert common.node_gpus(2, 2) == ['4,5', '6,7']
+    assert node_gpus(2, 2) == ['4,5', '6,7']
     fake_gpus(0)
-    assert common.node_gpus(2, 1) == [None, None]           # CPU machines: gloo, nothing to hide
+    assert node_gpus(2, 1) == [None, None]           # CPU machines: gloo, nothing to hide
 
 
 def test_torchrun_timeout_leaves_nothing_behind(tmp_path):

@@ -5,6 +5,7 @@ import torch
 from notebook_code import definitions
 
 import common
+from comp_perf.s08_beyond_data_parallel import local_bytes, pipeline_model, pipeline_stage_part
 
 SECTION_08 = definitions('08-beyond-data-parallelism', 'check_same_training', 'check_tensor_parallel',
                          'check_pipeline')
@@ -27,7 +28,7 @@ def test_memory_helpers_measure_what_training_holds():
     n = sum(p.numel() for p in params)
     opt = torch.optim.Adam(params)
     x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
-    assert common.local_bytes([params[0], params[0], None]) == params[0].numel() * 4
+    assert local_bytes([params[0], params[0], None]) == params[0].numel() * 4
     loss, saved = common.saved_activation_bytes(lambda: torch.nn.functional.cross_entropy(model(x), y),
                                                 exclude=params)
     assert saved - (4 * 5 * (8 + 16 + 4) + 8 * 5) in range(0, 16)   # inputs, log-probs, labels (+ a scalar)
@@ -112,7 +113,7 @@ def test_pipeline_equals_the_unsplit_model_and_the_check_catches_summed_micro_ba
 
 def test_beyond_data_parallelism_workers_refuse_bad_settings():
     with pytest.raises(ValueError, match='shared evenly'):
-        common.pipeline_stage_part(common.pipeline_model(8, 3, 2), 0, 2)
+        pipeline_stage_part(pipeline_model(8, 3, 2), 0, 2)
     with pytest.raises(ValueError, match='unknown mode'):
         common.launch(common.sharded_training, 2, dict(widths=[4, 4], batch_size=4, steps=1, lr=0.1,
                                                        count_step=0, modes=('zero9',)), threads=1)

@@ -5,7 +5,7 @@ Used for the course's GPU checks (README, "GPU checks").
 
 Each selected notebook runs in a fresh kernel inside a scratch copy of the
 notebooks/ folder (the kernel's working directory is the copy's <lang>/ folder,
-so `artifacts/`, relative links and common.course_language() behave as in
+so `artifacts/`, relative links and comp_perf.language.course_language() behave as in
 JupyterLab, and the repo's notebooks are never overwritten). Errors do not stop
 a notebook (allow_errors). A cell that runs past its time limit is interrupted
 (a KeyboardInterrupt, so its traceback shows where it was), and that ends its
