@@ -4,15 +4,12 @@ import os
 import secrets
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import requests
-from test_browser import wait_for_lab
+from helpers import ROOT, wait_for_lab
 
 import common
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _open_course(tmp_path, prefix=()):

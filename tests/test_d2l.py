@@ -132,7 +132,7 @@ def test_environment_check_reports_d2l(monkeypatch, capsys):
 
 
 def test_the_set_up_installs_the_release_the_course_checks_without_its_pins():
-    from notebook_code import ROOT
+    from helpers import ROOT
     pins = [line for line in (ROOT / 'requirements-d2l.txt').read_text().splitlines() if line and line[0] != '#']
     assert pins == [f'd2l=={book.D2L_VERSION}']
     course = (ROOT / 'course').read_text(encoding='utf-8')
@@ -153,7 +153,7 @@ def test_set_up_replaces_only_the_expected_d2l_complaint(tmp_path, other, rc):
     """pip's ERROR about d2l's own pins becomes one line; any other conflict or failure is shown as is."""
     import re
     import subprocess
-    from notebook_code import ROOT
+    from helpers import ROOT
     course = (ROOT / 'course').read_text(encoding='utf-8')
     functions = re.search(r'^say\(\).*?$', course, re.M)[0] + '\n' + \
         re.search(r'^pip_install\(\) \{.*?^\}', course, re.M | re.S)[0]

@@ -5,9 +5,8 @@ import sys
 from pathlib import Path
 
 import nbformat
+from helpers import ROOT
 from nbclient import NotebookClient
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_common_is_installed_not_found_by_accident(tmp_path):

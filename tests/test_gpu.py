@@ -6,6 +6,7 @@ notebooks there. Every comparison is between two measurements of one run.
 """
 import pytest
 import torch
+from helpers import ROOT
 from notebook_code import definitions
 
 import common
@@ -88,7 +89,6 @@ def test_timing_cpu_work_creates_no_cuda_context():
     # synchronize() once waited on every visible GPU, creating a CUDA context on each
     import subprocess
     import sys
-    from pathlib import Path
     code = ('import torch, common\n'
             'common.synchronize()\n'
             'common.measure(sum, [1, 2], repeats=3)\n'
@@ -96,7 +96,7 @@ def test_timing_cpu_work_creates_no_cuda_context():
             '    pass\n'
             'print("initialised", torch.cuda.is_initialized())\n')
     child = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
-                           cwd=Path(__file__).resolve().parent.parent)
+                           cwd=ROOT)
     assert 'initialised False' in child.stdout, child.stdout[-1000:] + child.stderr[-2000:]
 
 
@@ -105,9 +105,7 @@ def test_timing_cpu_work_creates_no_cuda_context():
 def _late_error_script():
     """The five-line script of notebook 02's late-error cell, read from its source."""
     import re
-    from pathlib import Path
-    source = (Path(__file__).resolve().parent.parent / 'notebooks' / 'src' /
-              '02-asynchronous-computation.txt').read_text(encoding='utf-8')
+    source = (ROOT / 'notebooks' / 'src' / '02-asynchronous-computation.txt').read_text(encoding='utf-8')
     return re.search(r'late_error = """(.*?)"""', source, re.S).group(1)
 
 

@@ -5,13 +5,10 @@ added or no longer used makes one of these tests fail with what to change.
 """
 import ast
 import re
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import ROOT
 from notebook_code import section_of
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / 'comp_perf'
 MAP = ROOT / 'common.py'
 BEHIND = 'behind'            # the last group: what no notebook calls
@@ -136,7 +133,6 @@ def _common_attributes(code):
 
 def test_every_common_name_the_course_uses_exists():
     import common
-    sys.path.insert(0, str(ROOT / 'tools'))
     import nbpair
     used = {p.relative_to(ROOT).as_posix(): _common_attributes(p.read_text(encoding='utf-8'))
             for pattern in ('tests/*.py', 'tools/*.py') for p in ROOT.glob(pattern)}

@@ -1,19 +1,14 @@
 """Section 04's helpers (comp_perf/s04_hardware.py) and the C programs on its page."""
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import common
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def _written_file(section, filename):
     """The body of the code cell of a section that starts with %%writefile filename."""
-    sys.path.insert(0, str(ROOT / 'tools'))
     import nbpair
     src = next(f for f in nbpair.sources() if f.name.startswith(section))
     bodies = [c['en'].split('\n', 1)[1] for c in nbpair.parse(src)

@@ -8,11 +8,12 @@ built yet. The tests that start processes (common.launch, directly or inside the
 the procs tier: tests/conftest.py finds `launch` in the source of the planted fixture, and the
 tests that call the check carry the mark.
 """
+import nbpair
 import pytest
 import torch
+from helpers import ROOT
 
 import common
-from notebook_code import ROOT, nbpair
 
 NO_DIVISION = '''
 from comp_perf.s06_bucketed import BucketedAllReduce as Reference

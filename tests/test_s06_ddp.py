@@ -1,14 +1,10 @@
 """Section 06: ResNet-18, torchrun, and when DDP all-reduces its buckets (comp_perf/s06_ddp.py)."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from process_checks import alive, children, wait_until
 
 import common
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_resnet18_for_28x28_inputs():
@@ -53,7 +49,6 @@ def test_torchrun_failure_raises_with_the_scripts_error(tmp_path):
 def test_06_adds_a_run_on_every_gpu_only_on_t2(fake_gpus):
     """06's choice of process counts, read from its source and run with a faked GPU count."""
     from types import SimpleNamespace
-    sys.path.insert(0, str(ROOT / 'tools'))
     import nbpair
     src = next(f for f in nbpair.sources() if f.name.startswith('06'))
     line = next(row for c in nbpair.parse(src) if c['type'] == 'code'

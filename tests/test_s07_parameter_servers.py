@@ -61,13 +61,14 @@ def test_comm_benchmark_measures_every_algorithm():
         common.launch(common.comm_benchmark, 2, sizes, 1, ('carrier-pigeon',), timeout=60)
 
 
-# The cost models are 07's, defined on its page; the tests run that code.
-SECTION_07 = definitions('07-parameter-servers', 'fit_alpha_beta', 'ring_model', 'ps_time',
-                         'hierarchical_time')
+@pytest.fixture(scope='module')
+def page():
+    """The cost models section 07 defines on its page: the tests run that code."""
+    return definitions('07-parameter-servers', 'fit_alpha_beta', 'ring_model', 'ps_time', 'hierarchical_time')
 
 
-def test_fit_alpha_beta_recovers_a_known_line():
-    fit_alpha_beta, ring_model = SECTION_07['fit_alpha_beta'], SECTION_07['ring_model']
+def test_fit_alpha_beta_recovers_a_known_line(page):
+    fit_alpha_beta, ring_model = page['fit_alpha_beta'], page['ring_model']
     sizes = np.array([16, 1024, 65536, 2 ** 20, 2 ** 24])
     alpha, beta = fit_alpha_beta(sizes, 50e-6 + sizes / 2e9)
     assert alpha == pytest.approx(50e-6, rel=1e-6) and beta == pytest.approx(0.5e-9, rel=1e-6)
@@ -76,8 +77,8 @@ def test_fit_alpha_beta_recovers_a_known_line():
         fit_alpha_beta([1], [1.0])
 
 
-def test_parameter_server_and_hierarchical_costs():
-    ps_time, hierarchical_time = SECTION_07['ps_time'], SECTION_07['hierarchical_time']
+def test_parameter_server_and_hierarchical_costs(page):
+    ps_time, hierarchical_time = page['ps_time'], page['hierarchical_time']
     MB, GB = 1e6, 1e9
     one = ps_time(160 * MB, 8, 1, 10 * GB)
     assert one == pytest.approx(2 * 8 * 0.016)                      # 8 workers through one link

@@ -6,11 +6,12 @@ Every test here starts worker processes (check_zero1 and fsdp_timeline run under
 import inspect
 import re
 
+import nbpair
 import pytest
+from helpers import ROOT
 
 import common
 from comp_perf import s08_zero_by_hand
-from notebook_code import ROOT, nbpair
 
 REFERENCE = inspect.getsource(s08_zero_by_hand.Zero1)
 HEADER = 'import torch\nimport torch.distributed as dist\n\n\n'

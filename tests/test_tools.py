@@ -1,13 +1,11 @@
 """The maintainers' tools: their code paths run here on the CPU."""
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 import common
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool(name):
