@@ -11,6 +11,8 @@ from helpers import ROOT, wait_for_lab
 
 import common
 
+pytestmark = pytest.mark.procs   # each test starts ./course, and JupyterLab or the set-up behind it
+
 
 def _open_course(tmp_path, prefix=()):
     """Run `./course lab` (behind `prefix`, e.g. a user namespace) until JupyterLab answers; return its log."""

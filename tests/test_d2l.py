@@ -24,6 +24,7 @@ def test_d2l_imports_with_the_course_torch(d2l):
     assert d2l.torch is torch and torch.__version__.startswith('2.14')
 
 
+@pytest.mark.procs
 def test_importing_d2l_changes_no_matplotlib_setting():
     """d2l.torch imports matplotlib_inline; importing it must leave the backend and rcParams alone."""
     code = ('import matplotlib; b = matplotlib.get_backend(); r = dict(matplotlib.rcParams)\n'
@@ -149,6 +150,7 @@ exit ${RC:-0}
 
 
 @pytest.mark.parametrize('other,rc', [(False, 0), (True, 0), (False, 1)])
+@pytest.mark.procs
 def test_set_up_replaces_only_the_expected_d2l_complaint(tmp_path, other, rc):
     """pip's ERROR about d2l's own pins becomes one line; any other conflict or failure is shown as is."""
     import re

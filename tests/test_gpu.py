@@ -14,12 +14,14 @@ import common
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
 
+@pytest.mark.procs
 def test_launch_with_nccl_communicates_gpu_tensors():
     n = min(2, common.num_gpus())
     assert common.launch(common.allreduce_check, n, backend='nccl') == [n * (n + 1) / 2] * n
     assert max(common.launch(common.ring_check, n, 1001, backend='nccl')) < 1e-5
 
 
+@pytest.mark.procs
 def test_dp_worker_on_nccl_trains_on_the_gpu_like_on_the_cpu(fashion_mnist):
     run = dict(batch_size=64, lr=0.2, steps=2, subset=256, full_fp32=True)
     gpu = common.launch(common.dp_worker, 1, run, backend='nccl')[0]
@@ -85,6 +87,7 @@ def test_synchronize_waits_for_queued_work():
     assert torch.cuda.current_stream().query()
 
 
+@pytest.mark.procs
 def test_timing_cpu_work_creates_no_cuda_context():
     # synchronize() once waited on every visible GPU, creating a CUDA context on each
     import subprocess
@@ -109,6 +112,7 @@ def _late_error_script():
     return re.search(r'late_error = """(.*?)"""', source, re.S).group(1)
 
 
+@pytest.mark.procs
 def test_launch_blocking_raises_the_device_error_at_its_own_line():
     import os
     import re

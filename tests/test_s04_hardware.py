@@ -28,6 +28,7 @@ def test_cache_knees_finds_the_steps_and_ignores_one_noisy_point():
         common.cache_knees(sizes, rates[:-1])
 
 
+@pytest.mark.procs
 def test_04s_pointer_chase_compiles_and_sees_memory_slower_than_l1(tmp_path):
     source = tmp_path / 'chase.c'
     source.write_text(_written_file('04', 'artifacts/chase.c'))
@@ -38,6 +39,7 @@ def test_04s_pointer_chase_compiles_and_sees_memory_slower_than_l1(tmp_path):
     assert large > 5 * small, (small, large)        # a 128 MiB block leaves every cache; 8 KiB fits L1
 
 
+@pytest.mark.procs
 def test_04s_false_sharing_program_counts_right(tmp_path):
     source = tmp_path / 'false_sharing.c'
     source.write_text(_written_file('04', 'artifacts/false_sharing.c'))
@@ -48,6 +50,7 @@ def test_04s_false_sharing_program_counts_right(tmp_path):
         assert done.returncode == 0 and float(done.stdout) > 0   # exit 0: both counters reached N
 
 
+@pytest.mark.procs
 def test_compile_c_reports_the_compilers_message(tmp_path):
     bad = tmp_path / 'bad.c'
     bad.write_text('int main(void) { return undefined_name; }\n')

@@ -141,6 +141,7 @@ def test_batch_indices_wrap_and_split_the_same_global_batch():
     assert parts == [[8, 9], [0], [1]]
 
 
+@pytest.mark.procs
 def test_dp_worker_ranks_agree_and_match_one_process(fashion_mnist):
     run = dict(batch_size=64, lr=0.2, steps=1, subset=256)
     two = common.launch(common.dp_worker, 2, run)
@@ -150,6 +151,7 @@ def test_dp_worker_ranks_agree_and_match_one_process(fashion_mnist):
         < common.step_tolerance()
 
 
+@pytest.mark.procs
 def test_the_worker_recipe_of_05s_exercise_runs_and_matches_dp_worker(fashion_mnist, tmp_path, monkeypatch):
     """Solution 2 of 05: %%writefile my_worker.py, import it, launch it. It must work as written."""
     import importlib
@@ -190,6 +192,7 @@ def _writefile_block(notebook, filename):
     return blocks[0].split('\n', 1)[1]
 
 
+@pytest.mark.procs
 def test_the_worker_recipe_of_07s_exercise_runs(tmp_path, monkeypatch):
     """Solution 1 of 07: the ring in a file written with %%writefile, imported, launched."""
     import importlib

@@ -20,6 +20,7 @@ def _script(tmp_path, body):
     return path
 
 
+@pytest.mark.procs
 def test_torchrun_two_nodes_meet_on_this_host(tmp_path):
     job = _script(tmp_path, "dist.init_process_group('gloo')\n"
                             "print('node', os.environ['GROUP_RANK'], 'rank', dist.get_rank(),"
@@ -30,6 +31,7 @@ def test_torchrun_two_nodes_meet_on_this_host(tmp_path):
     assert lines == ['node 0 rank 0 of 2', 'node 1 rank 1 of 2']
 
 
+@pytest.mark.procs
 def test_torchrun_tells_the_script_the_notebooks_language(tmp_path, monkeypatch):
     """A Chinese notebook's language comes from its folder; the script learns it from COURSE_LANG."""
     folder = tmp_path / 'notebooks' / 'zh'
@@ -40,6 +42,7 @@ def test_torchrun_tells_the_script_the_notebooks_language(tmp_path, monkeypatch)
     assert 'language zh' in common.torchrun(job, timeout=120)[0].splitlines()
 
 
+@pytest.mark.procs
 def test_torchrun_failure_raises_with_the_scripts_error(tmp_path):
     job = _script(tmp_path, "raise SystemExit('the script broke on purpose')\n")
     with pytest.raises(RuntimeError, match='the script broke on purpose'):
@@ -75,6 +78,7 @@ def test_two_nodes_on_a_multi_gpu_host_see_their_own_gpus(monkeypatch, fake_gpus
     assert common.node_gpus(2, 1) == [None, None]           # CPU machines: gloo, nothing to hide
 
 
+@pytest.mark.procs
 def test_torchrun_timeout_leaves_nothing_behind(tmp_path):
     job = _script(tmp_path, f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
                             'time.sleep(600)\n')
@@ -104,10 +108,12 @@ def ddp_names():
     return [name for name, _ in common.resnet18(width=DDP_RUN['width']).named_parameters()]
 
 
+@pytest.mark.procs
 def test_hooks_give_the_gradients_of_ddps_builtin_allreduce(ddp_result):
     assert ddp_result['same_grads'] is True
 
 
+@pytest.mark.procs
 def test_every_parameter_is_in_exactly_one_bucket(ddp_result, ddp_names):
     in_buckets = [name for bucket in ddp_result['buckets'] for name in bucket]
     assert sorted(in_buckets) == sorted(ddp_names)
@@ -115,6 +121,7 @@ def test_every_parameter_is_in_exactly_one_bucket(ddp_result, ddp_names):
 
 
 @pytest.mark.parametrize('mode', DDP_MODES)
+@pytest.mark.procs
 def test_ddp_sees_every_gradient_once_per_step(ddp_result, ddp_names, mode):
     # register_post_accumulate_grad_hook fires under DDP, once per parameter
     seen = [name for name, _ in ddp_result[mode]['median step']['grad']]
@@ -122,6 +129,7 @@ def test_ddp_sees_every_gradient_once_per_step(ddp_result, ddp_names, mode):
 
 
 @pytest.mark.parametrize('mode', DDP_MODES)
+@pytest.mark.procs
 def test_a_bucket_is_sent_only_after_its_gradients_are_ready(ddp_result, mode):
     step = ddp_result[mode]['median step']
     ready = dict(step['grad'])
@@ -133,6 +141,7 @@ def test_a_bucket_is_sent_only_after_its_gradients_are_ready(ddp_result, mode):
     assert all(start <= end for _, start, end in step['allreduce'])
 
 
+@pytest.mark.procs
 def test_ddp_starts_all_but_the_last_bucket_while_backward_computes(ddp_result):
     step = ddp_result['overlapped']['median step']
     *early, last = step['allreduce']
@@ -141,6 +150,7 @@ def test_ddp_starts_all_but_the_last_bucket_while_backward_computes(ddp_result):
     assert ddp_result['overlapped']['overlap'] > 0
 
 
+@pytest.mark.procs
 def test_the_baseline_sends_nothing_before_backward_has_computed_everything(ddp_result):
     step = ddp_result['after backward']['median step']
     assert all(start >= step['computed'] for _, start, _ in step['allreduce'])
@@ -148,6 +158,7 @@ def test_the_baseline_sends_nothing_before_backward_has_computed_everything(ddp_
 
 
 @pytest.mark.parametrize('mode', DDP_MODES)
+@pytest.mark.procs
 def test_ddp_phases_follow_each_other(ddp_result, mode):
     step = ddp_result[mode]['median step']
     assert 0 < step['forward'][1] == step['backward'][0] < step['computed'] <= step['backward'][1]

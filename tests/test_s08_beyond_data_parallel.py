@@ -87,6 +87,7 @@ def test_measured_bubble_of_an_ideal_gpipe_timeline_is_the_formula(p, m):
     assert common.measured_bubble(gpipe_timeline(p, m)) == pytest.approx(common.bubble_fraction(p, m))
 
 
+@pytest.mark.procs
 def test_sharded_training_equals_ddp_with_a_half_per_rank_and_the_check_catches_a_bad_start(page):
     run = dict(widths=[16, 32, 32, 4], batch_size=32, steps=4, lr=1e-2, count_step=2,
                modes=('ddp', 'zero1', 'fsdp', 'fsdp, no reshard'))
@@ -103,6 +104,7 @@ def test_sharded_training_equals_ddp_with_a_half_per_rank_and_the_check_catches_
         page['check_same_training'](bad)
 
 
+@pytest.mark.procs
 def test_tensor_parallel_block_equals_the_unsplit_block_and_the_check_catches_different_weights(page):
     run = dict(d=16, hidden=64, batch_size=8)
     good = common.launch(common.tensor_parallel_check, 2, run, threads=1)
@@ -114,6 +116,7 @@ def test_tensor_parallel_block_equals_the_unsplit_block_and_the_check_catches_di
         page['check_tensor_parallel'](bad)
 
 
+@pytest.mark.procs
 def test_pipeline_equals_the_unsplit_model_and_the_check_catches_summed_micro_batches(page):
     run = dict(hidden=32, layers=4, classes=10, batch_size=16, repeats=1,
                schedules=[('GPipe', 1), ('GPipe', 4), ('1F1B', 4)])
@@ -127,6 +130,7 @@ def test_pipeline_equals_the_unsplit_model_and_the_check_catches_summed_micro_ba
         page['check_pipeline'](bad)
 
 
+@pytest.mark.procs
 def test_beyond_data_parallelism_workers_refuse_bad_settings():
     with pytest.raises(ValueError, match='shared evenly'):
         common.pipeline_stage_part(common.pipeline_model(8, 3, 2), 0, 2)

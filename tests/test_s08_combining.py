@@ -17,6 +17,7 @@ def page():
 RUN = dict(dp=2, tp=2, d=16, hidden=64, batch_size=16, steps=2, lr=0.1)
 
 
+@pytest.mark.procs
 def test_fsdp_over_dp_with_tp_equals_the_unsplit_block_and_the_check_catches_two_planted_bugs(page):
     good = common.launch(common.mesh_2d_training, 4, RUN, threads=1)
     assert page['check_mesh_2d'](good) < 1e-5
@@ -33,6 +34,7 @@ def test_fsdp_over_dp_with_tp_equals_the_unsplit_block_and_the_check_catches_two
         assert page['check_mesh_2d'](bad) > 1e-2, bug
 
 
+@pytest.mark.procs
 def test_the_mesh_worker_refuses_a_mesh_that_is_not_the_processes():
     with pytest.raises(ValueError, match='needs 4 processes'):
         common.launch(common.mesh_2d_training, 2, RUN, threads=1)

@@ -41,6 +41,7 @@ def test_augmented_images_are_deterministic_per_index_and_refuse_bad_input():
         common.AugmentedImages(X, y, passes=0)
 
 
+@pytest.mark.procs
 def test_a_dataloader_worker_sees_the_same_samples():
     X, y = batch()
     data = common.AugmentedImages(X, y, passes=1)
@@ -89,6 +90,7 @@ def test_bf16_autocast_changes_the_loss_only_a_little(small_vit):
     assert bf16 != fp32   # it did run in bf16
 
 
+@pytest.mark.procs
 def test_compiled_gradients_equal_eager_and_the_check_catches_other_weights(page, small_vit):
     X, y = batch()
     eager = page['gradients'](small_vit(), X, y)
