@@ -31,9 +31,54 @@ def stored_zh():
     return lp.stored_notebooks(ROOT / 'notebooks' / 'zh')
 
 
-def test_the_rule_leaves_time_for_the_quiz_and_discussion():
-    assert lp.MATERIAL_MINUTES + lp.QUIZ_MINUTES + lp.DISCUSSION_MINUTES == lp.LECTURE_MINUTES == 90
-    assert lp.MATERIAL_MINUTES == 75
+# The rule's numbers are decisions, and the guide's hand-written prose states them in both languages:
+# each phrase below must be there, with the number that lecture_plan's constant holds. (The
+# constants alone cannot be tested against themselves: MATERIAL_MINUTES is their difference.)
+RULE_IN_THE_GUIDE = {
+    'en': [(r'nine lectures of (\d+) minutes', 'LECTURE_MINUTES'),
+           (r'at most (\d+) minutes of material', 'MATERIAL_MINUTES'),
+           (r'leaves (\d+) minutes for the five-question quiz', 'QUIZ_MINUTES'),
+           (r'and (\d+) for questions and discussion', 'DISCUSSION_MINUTES'),
+           (r'well under the (\d+)', 'MATERIAL_MINUTES'),
+           (r'every lecture within (\d+) minutes', 'MATERIAL_MINUTES')],
+    'zh': [(r'每次 (\d+) 分钟', 'LECTURE_MINUTES'),
+           (r'内容最多 (\d+) 分钟', 'MATERIAL_MINUTES'),
+           (r'留出 (\d+) 分钟做五道题的小测', 'QUIZ_MINUTES'),
+           (r'(\d+) 分钟用于提问和讨论', 'DISCUSSION_MINUTES'),
+           (r'远低于 (\d+) 分钟', 'MATERIAL_MINUTES'),
+           (r'都不超过 (\d+) 分钟', 'MATERIAL_MINUTES')],
+}
+RULE = ('LECTURE_MINUTES', 'QUIZ_MINUTES', 'DISCUSSION_MINUTES', 'MATERIAL_MINUTES')
+
+
+def rule_disagreements(text, lang, minutes):
+    """Where the guide's text in `lang` states another rule than `minutes` ({constant: value}), or no
+    longer states a part of it."""
+    problems = []
+    for pattern, name in RULE_IN_THE_GUIDE[lang]:
+        found = re.findall(pattern, text)
+        if not found:
+            problems.append(f'{lang}: the guide no longer says "{pattern}"')
+        problems += [f'{lang}: the guide says {n} where {name} is {minutes[name]} ("{pattern}")'
+                     for n in found if int(n) != minutes[name]]
+    return problems
+
+
+def test_the_guide_states_the_rule_the_plan_checks():
+    minutes = {name: getattr(lp, name) for name in RULE}
+    problems = [p for lang in ('en', 'zh') for p in rule_disagreements(guide_text(lang), lang, minutes)]
+    assert not problems, '\n'.join(problems)
+
+
+def test_a_rule_the_guide_does_not_state_is_found():
+    minutes = {name: getattr(lp, name) for name in RULE}
+    longer_quiz = dict(minutes, QUIZ_MINUTES=15, MATERIAL_MINUTES=70)   # the constants changed, not the guide
+    found = rule_disagreements(guide_text('zh'), 'zh', longer_quiz)
+    assert any('says 10 where QUIZ_MINUTES is 15' in p for p in found), found
+    assert sum('where MATERIAL_MINUTES is 70' in p for p in found) == 4, found   # every place that says 75
+    text = guide_text('en').replace('and 5 for questions and discussion', 'and some time for questions')
+    [found] = rule_disagreements(text, 'en', minutes)
+    assert found.startswith('en: the guide no longer says') and 'for questions and discussion' in found
 
 
 def test_nine_lectures_cover_every_section_once_and_fit(stored_en, stored_zh):
@@ -135,6 +180,10 @@ def guide_cells():
     return [c for c in nbpair.parse(GUIDE) if c['type'] == 'md']
 
 
+def guide_text(lang):
+    return '\n'.join(c[lang] for c in guide_cells())
+
+
 def lecture_text(number):
     """{'en': …, 'zh': …}: the guide's cells from "### Lecture n" up to the next heading."""
     cells = guide_cells()
@@ -161,8 +210,7 @@ def test_the_guide_gives_each_lecture_its_homework_and_a_five_question_quiz(lect
 
 
 def test_the_guide_names_the_six_lecture_cuts_homework():
-    text = '\n'.join(c['en'] for c in guide_cells())
-    zh = '\n'.join(c['zh'] for c in guide_cells())
+    text, zh = guide_text('en'), guide_text('zh')
     for lecture in lp.SIX_LECTURES:
         assert homework_text(lecture, 'en') in text, homework_text(lecture, 'en')
         assert homework_text(lecture, 'zh') in zh, homework_text(lecture, 'zh')
