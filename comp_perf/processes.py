@@ -46,7 +46,8 @@ def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_
     cuda:<rank>, and it must put every tensor it communicates there. launch
     never picks NCCL by itself, however many GPUs the machine has.
 
-    fn must live in an importable module (a .py file), not in a notebook. Returns the list of return values by rank. A worker's exception
+    fn must live in an importable module (a .py file), not in a notebook.
+    Returns the list of return values by rank. A worker's exception
     is re-raised here with its traceback; a worker that dies without a word
     is named; a hang raises TimeoutError after `timeout` seconds. No process
     or port outlives the call. `threads` is each worker's PyTorch thread

@@ -1,44 +1,42 @@
 """Shared fixtures (a fake GPU count at the torch.cuda boundary) and the test tiers.
 
-Markers, set here so that no test has to remember them:
-  notebooks  nbval's cells of the stored notebooks
-  browser    tests that drive headless Chromium (tests/test_browser.py)
-  export     the slide and page export (tests/test_export.py)
-  procs      tests that start processes: worker groups, torchrun, subprocesses, servers
+Markers:
+  notebooks  nbval's cells of the stored notebooks       set here, by file
+  browser    tests that drive headless Chromium           set here, by file (tests/test_browser.py)
+  export     the slide and page export                    set here, by file (tests/test_export.py)
+  procs      tests that start processes: worker groups,   written on the test, @pytest.mark.procs
+             torchrun, subprocesses, kernels, servers     (or a module's pytestmark)
 The quick tier, `./course test --quick`, deselects all four.
+
+The procs mark is enforced, in every tier: while a test without any of these marks runs
+(its fixtures' set-up and teardown included), starting a process fails it with "this test
+starts processes: mark it procs". A test marked procs that passes without starting one, in
+its body or in a fixture it uses, fails too: the mark would only keep it out of the quick
+tier. So the quick tier is exactly the tests that start no process.
 """
-import inspect
+import multiprocessing.process
 import os
-import re
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 
+pytest_plugins = ('pytester',)   # tests/test_tiers.py runs planted tests through this conftest
+
 MARKERS = {'notebooks': "nbval's cells of the stored notebooks",
            'browser': 'drives headless Chromium',
            'export': 'exports slides and pages',
-           'procs': 'starts processes (worker groups, torchrun, subprocesses, servers)'}
-# A test (or a fixture it uses) whose code says any of these starts processes.
-STARTS_PROCESSES = re.compile(r'\b(launch|torchrun|subprocess|Popen|NotebookClient|mp\.)\b|_spawn|\bspawn\(')
+           'procs': 'starts processes (worker groups, torchrun, subprocesses, kernels, servers)'}
+# Tiers whose tests may start processes; only procs is held to its mark, since the other three
+# are set by file and their tests all start a kernel, a browser or the export.
+MAY_START = ('notebooks', 'browser', 'export', 'procs')
 
 
 def pytest_configure(config):
     for name, meaning in MARKERS.items():
         config.addinivalue_line('markers', f'{name}: {meaning}')
-
-
-def _starts_processes(item):
-    functions = [getattr(item, 'function', None)]
-    for name in getattr(item, 'fixturenames', ()):
-        for definition in item._fixtureinfo.name2fixturedefs.get(name, ()):
-            functions.append(definition.func)
-    for function in filter(None, functions):
-        try:
-            if STARTS_PROCESSES.search(inspect.getsource(function)):
-                return True
-        except (OSError, TypeError):
-            pass
-    return False
 
 
 def pytest_collection_modifyitems(config, items):
@@ -50,8 +48,167 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker('browser')
         elif path.endswith('test_export.py'):
             item.add_marker('export')
-        if not path.endswith('.ipynb') and _starts_processes(item):
-            item.add_marker('procs')
+
+
+# Programs a library runs for itself, once per process, whatever the test: not what the procs
+# tier is about, and a mark for them would depend on the machine and on which test came first.
+# Each passes only when that library's module is the one running it.
+LIBRARY_HELPERS = {
+    'fc-list': ('matplotlib.font_manager', 'lists the system fonts (comp_perf.language.cjk_font, '
+                                           'on a machine whose font cache has no Chinese font)'),
+    'uname': ('platform', 'platform.processor() asks `uname -p` (comp_perf.s04_hardware.cpu_facts)'),
+}
+
+
+def _argv(args, kwargs):
+    return kwargs.get('args', args[1] if len(args) > 1 else '')
+
+
+def _library_helper(args, kwargs):
+    argv = _argv(args, kwargs)
+    first = argv if isinstance(argv, (str, bytes, os.PathLike)) else next(iter(argv), '')
+    program = os.path.basename(os.fsdecode(first).split(' ')[0])
+    if program not in LIBRARY_HELPERS:
+        return False
+    module, frame = LIBRARY_HELPERS[program][0], sys._getframe(1)
+    while frame is not None and frame.f_globals.get('__name__') != module:
+        frame = frame.f_back
+    return frame is not None
+
+
+def _process(args, kwargs):
+    target = getattr(args[0], '_target', None)
+    name = f'{getattr(target, "__module__", "")}.{getattr(target, "__qualname__", "")}'.strip('.')
+    return f'a multiprocessing process running {name or target}'
+
+
+def _os_call(name):
+    return lambda args, kwargs: f'os.{name}({repr(args[0])[:200] if args else ""})'
+
+
+class ProcessGuard:
+    """Every way a test starts a process, wrapped for the duration of one test.
+
+    subprocess.Popen.__init__ covers subprocess.run/check_output, os.popen and asyncio's
+    subprocesses; BaseProcess.start covers multiprocessing, torch.multiprocessing's spawn,
+    DataLoader workers and process pools; KernelManager.start_kernel names a Jupyter kernel
+    (it would reach Popen too, under a less telling name); the os functions are the ways
+    around both. In refuse mode a start fails the test; in count mode it is only counted.
+    """
+
+    def __init__(self):
+        self.starts = 0                  # every start counted since the session began
+        self.refused = []                # what the running phase of an unmarked test tried to start
+        self.starting_fixtures = set()   # FixtureDefs whose set-up started a process
+        self._saved = []
+
+    @staticmethod
+    def _targets():
+        """(owner, attribute, what it starts, which calls pass untouched) for each way to start one."""
+        yield subprocess.Popen, '__init__', lambda args, kwargs: repr(_argv(args, kwargs))[:200], _library_helper
+        yield multiprocessing.process.BaseProcess, 'start', _process, None
+        manager = sys.modules.get('jupyter_client.manager')   # wrapped once something imported it
+        if manager is not None:
+            for cls in (manager.KernelManager, manager.AsyncKernelManager):
+                yield cls, 'start_kernel', lambda args, kwargs: 'a Jupyter kernel', None
+        for name in ('fork', 'forkpty', 'posix_spawn', 'posix_spawnp', 'system'):
+            if hasattr(os, name):
+                yield os, name, _os_call(name), None
+
+    def install(self, refuse):
+        for owner, name, describe, passes in self._targets():
+            original = getattr(owner, name)
+            own = not isinstance(owner, type) or name in owner.__dict__   # else inherited: delete to restore
+            self._saved.append((owner, name, original, own))
+            setattr(owner, name, self._wrap(original, describe, passes, refuse))
+
+    def uninstall(self):
+        while self._saved:
+            owner, name, original, own = self._saved.pop()
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+    def _wrap(self, original, describe, passes, refuse):
+        def wrapper(*args, **kwargs):
+            if passes and passes(args, kwargs):
+                return original(*args, **kwargs)
+            if refuse:
+                what = describe(args, kwargs)
+                thread = threading.current_thread()
+                self.refused.append(what if thread is threading.main_thread() else f'{what} (thread {thread.name})')
+                pytest.fail(f'this test starts processes: mark it procs (@pytest.mark.procs); it started {what}')
+            self.starts += 1
+            return original(*args, **kwargs)
+        wrapper.__wrapped__ = original
+        return wrapper
+
+
+GUARD = ProcessGuard()
+_STARTS_BEFORE = pytest.StashKey[int]()
+
+
+def _marks(item):
+    return {name for name in MAY_START if item.get_closest_marker(name)}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Installed around set-up, call and teardown together, so that a module-scoped fixture set
+    # up for this test is covered too; the finally restores every wrapped function after it.
+    # Unmarked tests refuse; procs tests count, for the check that the mark is needed; the
+    # notebooks, browser and export tiers run untouched.
+    marks = _marks(item)
+    if not marks or marks == {'procs'}:
+        GUARD.install(refuse=not marks)
+    item.stash[_STARTS_BEFORE] = GUARD.starts
+    try:
+        return (yield)
+    finally:
+        GUARD.uninstall()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = GUARD.starts
+    result = yield
+    if GUARD.starts > before:
+        GUARD.starting_fixtures.add(fixturedef)
+    return result
+
+
+def _phase(when):
+    # The refusal raised where the process was started; the check after the phase catches code
+    # that swallowed it (an `except BaseException`, a thread that died of it, a kernel manager
+    # that reported it and went on).
+    GUARD.refused = []
+    result = yield
+    if GUARD.refused:
+        pytest.fail(f'this test starts processes: mark it procs (@pytest.mark.procs); during its {when} '
+                    f'it started {", ".join(GUARD.refused)}', pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _phase('set-up'))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield from _phase('call')
+    if _marks(item) == {'procs'} and GUARD.starts == item.stash[_STARTS_BEFORE] and not any(
+            definition in GUARD.starting_fixtures
+            for name in item.fixturenames for definition in item._fixtureinfo.name2fixturedefs.get(name, ())):
+        pytest.fail('this test is marked procs but started no process, nor did a fixture it uses: '
+                    'drop the mark, so that the quick tier runs it', pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _phase('teardown'))
 
 
 @pytest.fixture

@@ -7,17 +7,13 @@ section's code cells and executes only them, in a namespace that has torch and c
 """
 import ast
 import math
-import sys
-from pathlib import Path
 
+import nbpair
 import numpy as np
 import torch
+from helpers import ROOT
 
 import common
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / 'tools'))
-import nbpair  # noqa: E402
 
 
 def section_of(src):

@@ -14,49 +14,19 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-import requests
+from helpers import ROOT, SHOTS, find_browser, wait_for, wait_for_lab
 
 from comp_perf.processes import free_port, stop_process_tree
 
-ROOT = Path(__file__).resolve().parent.parent
-SHOTS = ROOT / 'artifacts' / 'browser'
 CASES = [('en', '07-parameter-servers'), ('zh', '04-hardware')]
-
-
-def _browser():
-    chromium = next(filter(None, map(shutil.which, ('chromium', 'chromium-browser', 'google-chrome'))), None)
-    driver = shutil.which('chromedriver') or next(
-        (p for p in ('/usr/bin/chromedriver', '/usr/lib/chromium/chromedriver') if os.path.exists(p)), None)
-    if not (chromium and driver):
-        if os.environ.get('CI'):
-            pytest.fail('Chromium or chromedriver is missing: ./course test installs them '
-                        '(Debian packages chromium and chromium-driver).')
-        pytest.skip('Chromium and chromedriver are not installed (sudo apt-get install chromium chromium-driver)')
-    pytest.importorskip('selenium')
-    return chromium, driver
-
-
-def wait_for_lab(server, url, token, log, seconds):
-    """Return once the JupyterLab `server` answers at url; fail with the end of its log if it dies or is late."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            if requests.get(f'{url}/api/status', params={'token': token}, timeout=2).ok:
-                return
-        except requests.ConnectionError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            pytest.fail('JupyterLab did not start:\n' + Path(log).read_text()[-3000:])
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope='module')
 def lab(tmp_path_factory):
     """A JupyterLab server on a copy of the notebooks; yields (url, token)."""
-    _browser()
+    find_browser()
     home = tmp_path_factory.mktemp('lab')
     root = home / 'course'
     for lang in ('en', 'zh'):
@@ -88,7 +58,7 @@ def lab(tmp_path_factory):
 def browser(lab):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    chromium, driver = _browser()
+    chromium, driver = find_browser()
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for arg in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--window-size=1400,1000',
@@ -101,19 +71,6 @@ def browser(lab):
         browser.quit()
 
 
-def _wait(browser, condition, seconds, what):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        result = browser.execute_script(condition)
-        if result:
-            return result
-        time.sleep(0.5)
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    shot = SHOTS / f'failed-{int(time.time())}.png'
-    browser.save_screenshot(str(shot))
-    raise AssertionError(f'gave up after {seconds} s waiting for {what}; screenshot {shot}')
-
-
 def _click_menu(browser, menu, label):
     """Open a menu of JupyterLab's menu bar and click one of its items, as a user would."""
     from selenium.webdriver.common.by import By
@@ -121,7 +78,7 @@ def _click_menu(browser, menu, label):
     next(item for item in bar if item.text.strip() == menu).click()
     find = ('return [...document.querySelectorAll(".lm-Menu-item")].find('
             f'i => i.querySelector(".lm-Menu-itemLabel")?.textContent.trim() === {json.dumps(label)})')
-    _wait(browser, find, 10, f'{menu} → {label}').click()
+    wait_for(browser, find, 10, f'{menu} → {label}').click()
 
 
 VISIBLE = '.jp-NotebookPanel:not(.lm-mod-hidden)'  # the notebook in the current tab
@@ -147,10 +104,10 @@ def test_notebook_runs_in_jupyterlab_in_a_browser(lab, browser, lang, name):
     import nbformat
     url, token = lab
     browser.get(f'{url}/lab/tree/{lang}/{name}.ipynb?token={token}')
-    _wait(browser, f'const tab = document.querySelector(".lm-DockPanel-tabBar .lm-mod-current .lm-TabBar-tabLabel");'
-                   f'return tab && tab.textContent.trim() === "{name}.ipynb" && document.querySelector('
-                   f'"{VISIBLE} .jp-Notebook-ExecutionIndicator[data-status=\\"idle\\"]")',
-          120, 'the notebook to open with an idle kernel')
+    wait_for(browser, f'const tab = document.querySelector(".lm-DockPanel-tabBar .lm-mod-current .lm-TabBar-tabLabel");'
+                      f'return tab && tab.textContent.trim() === "{name}.ipynb" && document.querySelector('
+                      f'"{VISIBLE} .jp-Notebook-ExecutionIndicator[data-status=\\"idle\\"]")',
+             120, 'the notebook to open with an idle kernel')
     stored = nbformat.read(ROOT / 'notebooks' / lang / f'{name}.ipynb', as_version=4)
     code_cells = sum(c.cell_type == 'code' for c in stored.cells)
     figures = sum('image/png' in o.get('data', {}) for c in stored.cells if c.cell_type == 'code'
@@ -160,8 +117,8 @@ def test_notebook_runs_in_jupyterlab_in_a_browser(lab, browser, lang, name):
     for attempt in range(3):
         _click_menu(browser, 'Edit', 'Clear Outputs of All Cells')
         try:
-            _wait(browser, f'const s = (() => {{ {PAGE_STATE} }})(); return s && s.images.length === 0 && '
-                           's.prompts.every(p => p === "[ ]:")', 20, 'the outputs to clear')
+            wait_for(browser, f'const s = (() => {{ {PAGE_STATE} }})(); return s && s.images.length === 0 && '
+                              's.prompts.every(p => p === "[ ]:")', 20, 'the outputs to clear')
             break
         except AssertionError:
             if attempt == 2:
@@ -169,9 +126,9 @@ def test_notebook_runs_in_jupyterlab_in_a_browser(lab, browser, lang, name):
     start = time.monotonic()
     _click_menu(browser, 'Run', 'Run All Cells')
     # Done when every code cell shows an execution count and the kernel is idle again.
-    state = _wait(browser, f'const s = (() => {{ {PAGE_STATE} }})(); return s && !s.busy && '
-                           f's.prompts.length === {code_cells} && s.prompts.every(p => /^\\[\\d+\\]:$/.test(p))'
-                           f' ? s : null', 300, 'all cells to run')
+    state = wait_for(browser, f'const s = (() => {{ {PAGE_STATE} }})(); return s && !s.busy && '
+                              f's.prompts.length === {code_cells} && s.prompts.every(p => /^\\[\\d+\\]:$/.test(p))'
+                              f' ? s : null', 300, 'all cells to run')
     seconds = time.monotonic() - start
     SHOTS.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(SHOTS / f'{lang}-{name}.png'))
@@ -191,5 +148,5 @@ def test_notebook_runs_in_jupyterlab_in_a_browser(lab, browser, lang, name):
         # The widget manager draws the calculator's sliders after the cell's output has arrived,
         # which on a loaded machine (or a JupyterLab started for the first time) can be a few
         # seconds after the kernel went idle: wait for them, for a bounded time.
-        _wait(browser, f'const s = (() => {{ {PAGE_STATE} }})(); return s && s.widgets >= 4',
-              60, 'the calculator (four sliders) to render')
+        wait_for(browser, f'const s = (() => {{ {PAGE_STATE} }})(); return s && s.widgets >= 4',
+                 60, 'the calculator (four sliders) to render')

@@ -4,19 +4,16 @@ import json
 import os
 import re
 import string
-import sys
-from pathlib import Path
 
+import nbpair
 import pytest
+from helpers import ROOT
 from notebook_code import section_of
 
 import common
 from comp_perf import language
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / 'comp_perf'
-sys.path.insert(0, str(ROOT / 'tools'))
-import nbpair  # noqa: E402
 
 CJK = re.compile(r'[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]')   # full-width punctuation counts: ', ' is '，'
 

@@ -4,15 +4,14 @@ import os
 import secrets
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import requests
-from test_browser import wait_for_lab
+from helpers import ROOT, wait_for_lab
 
 from comp_perf.processes import free_port, stop_process_tree
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.procs   # each test starts ./course, and JupyterLab or the set-up behind it
 
 
 def _open_course(tmp_path, prefix=()):

@@ -5,9 +5,9 @@ import re
 
 import nbformat
 import pytest
+from helpers import ROOT
 
 from comp_perf import course_load
-from notebook_code import ROOT
 
 SECTIONS = sorted((ROOT / 'notebooks' / 'en').glob('[0-9][0-9]-*.ipynb'))
 

@@ -27,6 +27,7 @@ def test_d2l_imports_with_the_course_torch(d2l):
     assert d2l.torch is torch and torch.__version__.startswith('2.14')
 
 
+@pytest.mark.procs
 def test_importing_d2l_changes_no_matplotlib_setting():
     """d2l.torch imports matplotlib_inline; importing it must leave the backend and rcParams alone."""
     code = ('import matplotlib; b = matplotlib.get_backend(); r = dict(matplotlib.rcParams)\n'
@@ -141,7 +142,7 @@ def test_environment_check_reports_d2l(monkeypatch, capsys):
 
 
 def test_the_set_up_installs_the_release_the_course_checks_without_its_pins():
-    from notebook_code import ROOT
+    from helpers import ROOT
     pins = [line for line in (ROOT / 'requirements-d2l.txt').read_text().splitlines() if line and line[0] != '#']
     assert pins == [f'd2l=={book.D2L_VERSION}']
     course = (ROOT / 'course').read_text(encoding='utf-8')
@@ -158,11 +159,12 @@ exit ${RC:-0}
 
 
 @pytest.mark.parametrize('other,rc', [(False, 0), (True, 0), (False, 1)])
+@pytest.mark.procs
 def test_set_up_replaces_only_the_expected_d2l_complaint(tmp_path, other, rc):
     """pip's ERROR about d2l's own pins becomes one line; any other conflict or failure is shown as is."""
     import re
     import subprocess
-    from notebook_code import ROOT
+    from helpers import ROOT
     course = (ROOT / 'course').read_text(encoding='utf-8')
     functions = re.search(r'^say\(\).*?$', course, re.M)[0] + '\n' + \
         re.search(r'^pip_install\(\) \{.*?^\}', course, re.M | re.S)[0]

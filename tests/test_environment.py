@@ -5,17 +5,19 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
+from helpers import ROOT
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
+@pytest.mark.procs
 def test_common_is_installed_not_found_by_accident(tmp_path):
     out = subprocess.run([sys.executable, '-c', 'import common; print(common.__file__)'],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
     assert Path(out.stdout.strip()) == ROOT / 'common.py'
 
 
+@pytest.mark.procs
 def test_common_under_torchrun(tmp_path):
     script = tmp_path / 'job.py'
     script.write_text(
@@ -33,6 +35,7 @@ def test_common_under_torchrun(tmp_path):
     assert out.stdout.count('sum 3.0') == 2
 
 
+@pytest.mark.procs
 def test_animator_leaves_its_final_frame_in_an_executed_notebook(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(

@@ -7,9 +7,9 @@ correct result looks like (and, where numbers depend on the machine, which relat
 """
 import re
 
+import nbpair
 import pytest
-
-from notebook_code import ROOT, nbpair
+from helpers import ROOT
 
 SOURCES = sorted((ROOT / 'notebooks' / 'src').glob('[0-9][0-9]-*.txt'))
 LABEL = {'en': re.compile(r'^(\d+)\. \*\*.+?\*\* \*\((★{1,3}) · (\d+) min\)\*', re.M),

@@ -2,12 +2,10 @@
 import html
 import subprocess
 import time
-from pathlib import Path
 
 import nbformat
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT, find_browser, wait_for
 
 
 @pytest.mark.parametrize('lang,name', [('en', '00-start-here'), ('zh', '07-parameter-servers')])
@@ -47,8 +45,7 @@ def test_exported_deck_and_page_work_offline(tmp_path):
     """
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    from test_browser import _browser, _wait
-    chromium, driver = _browser()
+    chromium, driver = find_browser()
     name = '07-parameter-servers'
     run = subprocess.run([str(ROOT / 'course'), 'export', 'en', '--only', name, '--out', str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
@@ -70,10 +67,10 @@ def test_exported_deck_and_page_work_offline(tmp_path):
                            ('page', tmp_path / 'en' / 'html' / f'{name}.html')):
             browser.get(path.as_uri())
             if kind == 'deck':
-                _wait(browser, "return document.querySelector('.reveal.ready') !== null", 60,
-                      'reveal.js to start (the .reveal element gets the class "ready")')
-            _wait(browser, "return [...document.querySelectorAll('.MathJax')].some(m => m.offsetWidth > 0"
-                           " || m.closest('section'))", 60, 'MathJax to typeset the formulas')
+                wait_for(browser, "return document.querySelector('.reveal.ready') !== null", 60,
+                         'reveal.js to start (the .reveal element gets the class "ready")')
+            wait_for(browser, "return [...document.querySelectorAll('.MathJax')].some(m => m.offsetWidth > 0"
+                              " || m.closest('section'))", 60, 'MathJax to typeset the formulas')
             if kind == 'deck':   # show the first slide with a formula
                 browser.execute_script(   # reveal.js came through require.js: navigate by the URL
                     "const s = document.querySelector('.reveal .slides .MathJax')"

@@ -1,11 +1,11 @@
 """Fashion-MNIST offline first (comp_perf/fashion_mnist.py), on a tiny fake copy and the real one."""
 import gzip
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT
 
 import common
 import comp_perf.fashion_mnist
@@ -97,7 +97,7 @@ def test_real_fashion_mnist_when_installed(fashion_mnist):
 
 def test_the_course_data_folder_is_the_checkouts_data_folder():
     # README: "Fashion-MNIST is looked for in data/fashion-mnist/ …" of the checkout.
-    assert DATA_DIR == Path(__file__).resolve().parent.parent / 'data'
+    assert DATA_DIR == ROOT / 'data'
     assert (DATA_DIR / 'README.md').is_file()
 
 

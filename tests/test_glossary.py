@@ -1,11 +1,10 @@
 """The glossary (notebooks/glossary.md): every term is used, and used consistently in both languages."""
 import re
-from pathlib import Path
 
 import pytest
-from test_notebooks import EN, NAMES, ZH, load, prose
+from helpers import EN, NAMES, ROOT, ZH, load, visible_text
 
-GLOSSARY = Path(__file__).resolve().parent.parent / 'notebooks' / 'glossary.md'
+GLOSSARY = ROOT / 'notebooks' / 'glossary.md'
 
 
 def terms():
@@ -26,7 +25,7 @@ def english(forms):
 def markdown_pairs(name):
     for a, b in zip(load(EN / name).cells, load(ZH / name).cells):
         if a.cell_type == 'markdown':
-            yield prose(a.source), prose(b.source)
+            yield visible_text(a.source), visible_text(b.source)
 
 
 def test_glossary_has_terms():

@@ -6,6 +6,7 @@ notebooks there. Every comparison is between two measurements of one run.
 """
 import pytest
 import torch
+from helpers import ROOT
 from notebook_code import definitions
 
 import common
@@ -13,12 +14,14 @@ import common
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
 
+@pytest.mark.procs
 def test_launch_with_nccl_communicates_gpu_tensors():
     n = min(2, common.num_gpus())
     assert common.launch(common.allreduce_check, n, backend='nccl') == [n * (n + 1) / 2] * n
     assert max(common.launch(common.ring_check, n, 1001, backend='nccl')) < 1e-5
 
 
+@pytest.mark.procs
 def test_dp_worker_on_nccl_trains_on_the_gpu_like_on_the_cpu(fashion_mnist):
     run = dict(batch_size=64, lr=0.2, steps=2, subset=256, full_fp32=True)
     gpu = common.launch(common.dp_worker, 1, run, backend='nccl')[0]
@@ -84,11 +87,11 @@ def test_synchronize_waits_for_queued_work():
     assert torch.cuda.current_stream().query()
 
 
+@pytest.mark.procs
 def test_timing_cpu_work_creates_no_cuda_context():
     # synchronize() once waited on every visible GPU, creating a CUDA context on each
     import subprocess
     import sys
-    from pathlib import Path
     code = ('import torch, common\n'
             'common.synchronize()\n'
             'common.measure(sum, [1, 2], repeats=3)\n'
@@ -96,7 +99,7 @@ def test_timing_cpu_work_creates_no_cuda_context():
             '    pass\n'
             'print("initialised", torch.cuda.is_initialized())\n')
     child = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
-                           cwd=Path(__file__).resolve().parent.parent)
+                           cwd=ROOT)
     assert 'initialised False' in child.stdout, child.stdout[-1000:] + child.stderr[-2000:]
 
 
@@ -105,12 +108,11 @@ def test_timing_cpu_work_creates_no_cuda_context():
 def _late_error_script():
     """The five-line script of notebook 02's late-error cell, read from its source."""
     import re
-    from pathlib import Path
-    source = (Path(__file__).resolve().parent.parent / 'notebooks' / 'src' /
-              '02-asynchronous-computation.txt').read_text(encoding='utf-8')
+    source = (ROOT / 'notebooks' / 'src' / '02-asynchronous-computation.txt').read_text(encoding='utf-8')
     return re.search(r'late_error = """(.*?)"""', source, re.S).group(1)
 
 
+@pytest.mark.procs
 def test_launch_blocking_raises_the_device_error_at_its_own_line():
     import os
     import re

@@ -10,35 +10,91 @@ failing on a planted bug.
 """
 import re
 
+import nbpair
 import pytest
+from helpers import ROOT
 
 from comp_perf import lecture_plan as lp
-from notebook_code import ROOT
 
-ENGLISH = lp.stored_notebooks(ROOT / 'notebooks' / 'en')
-CHINESE = lp.stored_notebooks(ROOT / 'notebooks' / 'zh')
 GUIDE = ROOT / 'notebooks' / 'src' / 'instructors.txt'
 
 
-def test_the_rule_leaves_time_for_the_quiz_and_discussion():
-    assert lp.MATERIAL_MINUTES + lp.QUIZ_MINUTES + lp.DISCUSSION_MINUTES == lp.LECTURE_MINUTES == 90
-    assert lp.MATERIAL_MINUTES == 75
+@pytest.fixture(scope='module')
+def stored_en():
+    """{notebook stem: cells} of the stored English notebooks, as the plan reads them."""
+    return lp.stored_notebooks(ROOT / 'notebooks' / 'en')
 
 
-def test_nine_lectures_cover_every_section_once_and_fit():
+@pytest.fixture(scope='module')
+def stored_zh():
+    """The same, of the stored Chinese notebooks."""
+    return lp.stored_notebooks(ROOT / 'notebooks' / 'zh')
+
+
+# The rule's numbers are decisions, and the guide's hand-written prose states them in both languages:
+# each phrase below must be there, with the number that lecture_plan's constant holds. (The
+# constants alone cannot be tested against themselves: MATERIAL_MINUTES is their difference.)
+RULE_IN_THE_GUIDE = {
+    'en': [(r'nine lectures of (\d+) minutes', 'LECTURE_MINUTES'),
+           (r'at most (\d+) minutes of material', 'MATERIAL_MINUTES'),
+           (r'leaves (\d+) minutes for the five-question quiz', 'QUIZ_MINUTES'),
+           (r'and (\d+) for questions and discussion', 'DISCUSSION_MINUTES'),
+           (r'well under the (\d+)', 'MATERIAL_MINUTES'),
+           (r'every lecture within (\d+) minutes', 'MATERIAL_MINUTES')],
+    'zh': [(r'每次 (\d+) 分钟', 'LECTURE_MINUTES'),
+           (r'内容最多 (\d+) 分钟', 'MATERIAL_MINUTES'),
+           (r'留出 (\d+) 分钟做五道题的小测', 'QUIZ_MINUTES'),
+           (r'(\d+) 分钟用于提问和讨论', 'DISCUSSION_MINUTES'),
+           (r'远低于 (\d+) 分钟', 'MATERIAL_MINUTES'),
+           (r'都不超过 (\d+) 分钟', 'MATERIAL_MINUTES')],
+}
+RULE = ('LECTURE_MINUTES', 'QUIZ_MINUTES', 'DISCUSSION_MINUTES', 'MATERIAL_MINUTES')
+
+
+def rule_disagreements(text, lang, minutes):
+    """Where the guide's text in `lang` states another rule than `minutes` ({constant: value}), or no
+    longer states a part of it."""
+    problems = []
+    for pattern, name in RULE_IN_THE_GUIDE[lang]:
+        found = re.findall(pattern, text)
+        if not found:
+            problems.append(f'{lang}: the guide no longer says "{pattern}"')
+        problems += [f'{lang}: the guide says {n} where {name} is {minutes[name]} ("{pattern}")'
+                     for n in found if int(n) != minutes[name]]
+    return problems
+
+
+def test_the_guide_states_the_rule_the_plan_checks():
+    minutes = {name: getattr(lp, name) for name in RULE}
+    problems = [p for lang in ('en', 'zh') for p in rule_disagreements(guide_text(lang), lang, minutes)]
+    assert not problems, '\n'.join(problems)
+
+
+def test_a_rule_the_guide_does_not_state_is_found():
+    minutes = {name: getattr(lp, name) for name in RULE}
+    longer_quiz = dict(minutes, QUIZ_MINUTES=15, MATERIAL_MINUTES=70)   # the constants changed, not the guide
+    found = rule_disagreements(guide_text('zh'), 'zh', longer_quiz)
+    assert any('says 10 where QUIZ_MINUTES is 15' in p for p in found), found
+    assert sum('where MATERIAL_MINUTES is 70' in p for p in found) == 4, found   # every place that says 75
+    text = guide_text('en').replace('and 5 for questions and discussion', 'and some time for questions')
+    [found] = rule_disagreements(text, 'en', minutes)
+    assert found.startswith('en: the guide no longer says') and 'for questions and discussion' in found
+
+
+def test_nine_lectures_cover_every_section_once_and_fit(stored_en, stored_zh):
     assert [lecture.number for lecture in lp.LECTURES] == list(range(1, 10))
-    assert lp.plan_problems(ENGLISH, CHINESE, lp.LECTURES) == []
+    assert lp.plan_problems(stored_en, stored_zh, lp.LECTURES) == []
 
 
-def test_the_six_lecture_cut_covers_or_drops_every_section_once_and_fits():
+def test_the_six_lecture_cut_covers_or_drops_every_section_once_and_fits(stored_en, stored_zh):
     assert [lecture.number for lecture in lp.SIX_LECTURES] == list(range(1, 7))
     merged = sorted({n for lecture in lp.SIX_LECTURES for n in lecture.merges})
     assert merged == list(range(1, 10)), 'the cut says which of the nine lectures each of its lectures merges'
-    assert lp.plan_problems(ENGLISH, CHINESE, lp.SIX_LECTURES, lp.CUT_DROPS) == []
+    assert lp.plan_problems(stored_en, stored_zh, lp.SIX_LECTURES, lp.CUT_DROPS) == []
 
 
-def test_parts_resolve_to_the_cells_of_their_sections():
-    cells = ENGLISH['02-asynchronous-computation']
+def test_parts_resolve_to_the_cells_of_their_sections(stored_en):
+    cells = stored_en['02-asynchronous-computation']
     heads = lp.headings(cells)
     start, end = lp.resolve(cells, lp.Part('02-asynchronous-computation', heads[0][1], heads[1][1]))
     assert (start, end) == (0, heads[2][0] - 1)        # the first section takes the title cells with it
@@ -52,61 +108,61 @@ def _replace(lectures, number, **changes):
     return [lecture._replace(**changes) if lecture.number == number else lecture for lecture in lectures]
 
 
-def test_a_missing_section_is_found():
+def test_a_missing_section_is_found(stored_en, stored_zh):
     # Lecture 2 stops after "A back end you can watch": two sections of 02 are in no lecture.
     broken = _replace(lp.LECTURES, 2, parts=[lp.Part('02-asynchronous-computation',
                                                        'Asynchrony through the back end',
                                                        'A back end you can watch')])
-    found = lp.plan_problems(ENGLISH, CHINESE, broken)
+    found = lp.plan_problems(stored_en, stored_zh, broken)
     assert any('"Barriers and blockers" is in 0 lectures' in p for p in found), found
     assert any('"What the profiler sees" is in 0 lectures' in p for p in found), found
 
 
-def test_a_section_in_two_lectures_is_found():
+def test_a_section_in_two_lectures_is_found(stored_en, stored_zh):
     broken = _replace(lp.LECTURES, 9, parts=lp.LECTURES[8].parts + [lp.Part('07-parameter-servers',
                                                                                'When a process dies', 'Summary')])
-    found = lp.plan_problems(ENGLISH, CHINESE, broken)
+    found = lp.plan_problems(stored_en, stored_zh, broken)
     assert any('"When a process dies" is in 2 lectures [7, 9]' in p for p in found), found
 
 
-def test_a_heading_that_does_not_exist_is_found():
+def test_a_heading_that_does_not_exist_is_found(stored_en, stored_zh):
     broken = _replace(lp.LECTURES, 4, parts=[lp.Part('04-hardware', 'Caches, and how to find them', 'Summery')])
-    found = lp.plan_problems(ENGLISH, CHINESE, broken)
+    found = lp.plan_problems(stored_en, stored_zh, broken)
     assert 'lecture 4: 04-hardware has no section "Summery"' in found, found
 
 
-def test_a_heading_missing_in_chinese_is_found():
+def test_a_heading_missing_in_chinese_is_found(stored_en, stored_zh):
     # The Chinese notebook's heading cell of "Memory" becomes a plain paragraph.
-    chinese = dict(CHINESE)
+    chinese = dict(stored_zh)
     cells = [cell.copy() for cell in chinese['04-hardware']]
-    i = dict((name, i) for i, name in lp.headings(ENGLISH['04-hardware']))['Memory']
+    i = dict((name, i) for i, name in lp.headings(stored_en['04-hardware']))['Memory']
     cells[i]['source'] = cells[i]['source'].replace('## ', '', 1)
     chinese['04-hardware'] = cells
-    found = lp.plan_problems(ENGLISH, chinese, lp.LECTURES)
+    found = lp.plan_problems(stored_en, chinese, lp.LECTURES)
     assert any('"Memory" of 04-hardware' in p and 'in Chinese' in p for p in found), found
 
 
-def test_an_overfull_lecture_is_found():
+def test_an_overfull_lecture_is_found(stored_en, stored_zh):
     # Lectures 3 and 4 in one: 03 and all of 04 do not fit in 75 minutes.
     broken = _replace(lp.LECTURES, 3, parts=lp.LECTURES[2].parts + lp.LECTURES[3].parts)
     broken = [lecture for lecture in broken if lecture.number != 4]
-    found = lp.plan_problems(ENGLISH, CHINESE, broken)
+    found = lp.plan_problems(stored_en, stored_zh, broken)
     assert any(p.startswith('lecture 3: about') and 'more than the 75 min' in p for p in found), found
 
 
-def test_an_overfull_cut_lecture_is_found():
+def test_an_overfull_cut_lecture_is_found(stored_en, stored_zh):
     # The cut's third lecture given all of 04 and all of 07, without their drops: it no longer fits.
     parts = [lp.Part('04-hardware', 'The computer', 'Summary'),
              lp.Part('07-parameter-servers', 'Where should the gradients be added up?', 'Summary')]
     broken = _replace(lp.SIX_LECTURES, 3, parts=parts)
     drops = [d for d in lp.CUT_DROPS if d[0] not in ('04-hardware', '07-parameter-servers')]
-    found = lp.plan_problems(ENGLISH, CHINESE, broken, drops)
+    found = lp.plan_problems(stored_en, stored_zh, broken, drops)
     assert any(p.startswith('lecture 3: about') for p in found), found
 
 
-def test_homework_that_does_not_exist_is_found():
+def test_homework_that_does_not_exist_is_found(stored_en, stored_zh):
     broken = _replace(lp.LECTURES, 9, homework=(('09', 1), ('09', 7)))
-    assert lp.plan_problems(ENGLISH, CHINESE, broken) == ['lecture 9: homework 09 ex. 7 does not exist']
+    assert lp.plan_problems(stored_en, stored_zh, broken) == ['lecture 9: homework 09 ex. 7 does not exist']
 
 
 # --- the guide's prose agrees with the plan ----------------------------------------------------
@@ -121,10 +177,11 @@ def homework_text(lecture, lang):
 
 
 def guide_cells():
-    import sys
-    sys.path.insert(0, str(ROOT / 'tools'))
-    import nbpair
     return [c for c in nbpair.parse(GUIDE) if c['type'] == 'md']
+
+
+def guide_text(lang):
+    return '\n'.join(c[lang] for c in guide_cells())
 
 
 def lecture_text(number):
@@ -153,8 +210,7 @@ def test_the_guide_gives_each_lecture_its_homework_and_a_five_question_quiz(lect
 
 
 def test_the_guide_names_the_six_lecture_cuts_homework():
-    text = '\n'.join(c['en'] for c in guide_cells())
-    zh = '\n'.join(c['zh'] for c in guide_cells())
+    text, zh = guide_text('en'), guide_text('zh')
     for lecture in lp.SIX_LECTURES:
         assert homework_text(lecture, 'en') in text, homework_text(lecture, 'en')
         assert homework_text(lecture, 'zh') in zh, homework_text(lecture, 'zh')

@@ -7,12 +7,11 @@ instructor's guide) import it from its module, and a test here checks that one d
 """
 import ast
 import re
-from pathlib import Path
-
+import nbpair
 import pytest
-from notebook_code import nbpair, section_of
+from helpers import ROOT
+from notebook_code import section_of
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / 'comp_perf'
 MAP = ROOT / 'common.py'
 # A group's header, one short line of one shape: '# 04 Hardware — cache steps, compiled C, GPU datasheets'.

@@ -37,6 +37,7 @@ def test_benchmark_without_sync_still_times_cpu_work():
     assert bench.elapsed >= 0.01
 
 
+@pytest.mark.procs
 def test_quiet_native_stderr_hides_fd2_then_restores_it(tmp_path):
     code = ('import os, common\n'
             'with common.quiet_native_stderr():\n'

@@ -4,7 +4,7 @@ import re
 import nbformat
 import pytest
 
-from notebook_code import nbpair
+import nbpair
 
 CJK = re.compile(r'[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]')
 

@@ -1,32 +1,13 @@
 """The en/zh pairs: same program, real translations, outputs of one clean run."""
 import re
-import sys
-from pathlib import Path
 
 import nbformat
+import nbpair
 import pytest
+from helpers import EN, NAMES, ROOT, ZH, load, visible_text
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / 'tools'))
-import nbpair  # noqa: E402
-
-EN, ZH = ROOT / 'notebooks' / 'en', ROOT / 'notebooks' / 'zh'
 CJK = re.compile(r'[\u3000-\u303f\u3400-\u9fff\uf900-\ufaff\uff00-\uffef]')
-NAMES = sorted(p.name for p in EN.glob('*.ipynb'))
 REQUIRED = ['00-start-here.ipynb', '01-compilers-and-interpreters.ipynb']
-
-
-def load(path):
-    return nbformat.read(path, as_version=4)
-
-
-def prose(markdown):
-    """Markdown without code blocks, inline code, link targets, HTML tags and math."""
-    text = re.sub(r'```.*?```', ' ', markdown, flags=re.S)
-    text = re.sub(r'`[^`]*`', ' ', text)
-    text = re.sub(r'\]\([^)]*\)', ']', text)
-    text = re.sub(r'<[^>]+>', ' ', text)
-    return re.sub(r'\$[^$]*\$', ' ', text)
 
 
 def test_every_section_has_both_languages():
@@ -67,7 +48,7 @@ def test_chinese_markdown_is_chinese_and_complete(name):
     for i, (a, b) in enumerate(zip(en.cells, zh.cells)):
         if a.cell_type != 'markdown':
             continue
-        en_text, zh_text = prose(a.source), prose(b.source)
+        en_text, zh_text = visible_text(a.source), visible_text(b.source)
         if len(re.findall(r'[A-Za-z]{3,}', en_text)) >= 5:
             assert CJK.search(zh_text), f'markdown cell {i} of zh/{name} has no Chinese'
             # Chinese takes roughly a third of the characters of English; far less is a summary.
@@ -187,7 +168,7 @@ def test_code_in_markdown_solutions_parses_and_names_real_helpers(name):
 def test_shown_source_is_current(name, lang):
     """A cell that shows a helper's source (common.show_source) stores today's source of that helper."""
     import inspect
-    sys.path.insert(0, str(ROOT))
+
     import common
     for cell in load(ROOT / 'notebooks' / lang / name).cells:
         calls = re.findall(r'^common\.show_source\(common\.(\w+)\)$', cell.source, re.M) \

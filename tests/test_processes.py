@@ -16,6 +16,7 @@ import common
 TESTS = Path(__file__).resolve().parent
 
 
+@pytest.mark.procs
 def test_launch_runs_real_process_group():
     assert common.launch(workers.rank_and_world, 2, backend='gloo') == [
         (0, 2, 0, 2, '0'), (1, 2, 1, 2, '1')]
@@ -23,6 +24,7 @@ def test_launch_runs_real_process_group():
 
 
 @pytest.mark.parametrize('gpus', [1, 2, 8])
+@pytest.mark.procs
 def test_launch_never_picks_nccl_by_itself(fake_gpus, gpus):
     # The old rule chose NCCL whenever there were as many GPUs as processes, and
     # every CPU tensor then failed ("No backend type associated with device type cpu").
@@ -46,6 +48,7 @@ def test_nccl_is_checked_against_the_gpu_count(fake_gpus):
 
 
 @pytest.mark.parametrize('gpus', [1, 2, 8])
+@pytest.mark.procs
 def test_every_worker_the_notebooks_launch_runs_whatever_the_gpu_count(fashion_mnist, fake_gpus, gpus):
     # 00, 05 and 07 call these exactly like this; with the GPU count faked, each
     # must still run on CPU processes over gloo and give its CPU answer.
@@ -65,6 +68,7 @@ def test_every_worker_the_notebooks_launch_runs_whatever_the_gpu_count(fashion_m
     assert ps[1]['allreduce_diff'] < 1e-6
 
 
+@pytest.mark.procs
 def test_beyond_data_parallelism_workers_stay_on_the_cpu_in_processes_that_see_gpus():
     # 08's workers run over gloo; fully_shard's default mesh would be CUDA wherever CUDA exists.
     # Spawned processes see the real machine, so the worker fakes a GPU inside each process.
@@ -73,11 +77,13 @@ def test_beyond_data_parallelism_workers_stay_on_the_cpu_in_processes_that_see_g
         assert result['tp'] < 1e-5 and result['pipe'] < 1e-5
 
 
+@pytest.mark.procs
 def test_workers_can_return_tensors_that_outlive_them():
     out = common.launch(workers.return_tensor, 2)
     assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3]
 
 
+@pytest.mark.procs
 def test_worker_exception_is_reraised_with_traceback():
     with pytest.raises(ZeroDivisionError, match='on purpose') as info:
         common.launch(workers.fail_on_rank_one, 2, timeout=60)
@@ -85,11 +91,13 @@ def test_worker_exception_is_reraised_with_traceback():
     assert 'worker rank 1' in remote and 'fail_on_rank_one' in remote
 
 
+@pytest.mark.procs
 def test_worker_that_dies_is_named():
     with pytest.raises(common.WorkerError, match='rank 0 exited with code 7'):
         common.launch(workers.die_hard, 2, timeout=60)
 
 
+@pytest.mark.procs
 def test_hanging_worker_times_out_and_leaves_no_process(tmp_path):
     # Readiness does not matter here: on a loaded machine the 4 s may pass before a worker has
     # even written its pid. Whatever state they reached, no process may outlive the call.
@@ -119,6 +127,7 @@ def test_bad_launch_requests_are_refused():
 
 
 @pytest.mark.parametrize('how', ['interrupt', 'kill'])
+@pytest.mark.procs
 def test_no_orphans_when_launcher_is_interrupted_or_killed(tmp_path, how):
     # The launcher runs in its own process, as a notebook kernel would. If it ever hangs,
     # faulthandler writes every thread's stack to its stderr file, which the failure shows.
@@ -147,6 +156,7 @@ def test_no_orphans_when_launcher_is_interrupted_or_killed(tmp_path, how):
         parent.wait()
 
 
+@pytest.mark.procs
 def test_launch_op_timeout_bounds_a_receive():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match='Timed out'):
@@ -161,6 +171,7 @@ def test_nccl_groups_are_bound_to_the_ranks_gpu_and_gloo_groups_to_none():
     assert _group_options('gloo', 0, 5) == {'timeout': datetime.timedelta(seconds=5)}
 
 
+@pytest.mark.procs
 def test_launch_gives_each_process_its_share_of_the_usable_cores():
     share = max(1, common.usable_cores() // 2)
     assert common.launch(workers.intra_op_threads, 2) == [share, share]

@@ -31,16 +31,13 @@ import re
 import sys
 from collections import Counter, namedtuple
 from decimal import ROUND_HALF_UP, Decimal
-from pathlib import Path
 
 import nbformat
 import pytest
 
-if __name__ == '__main__':  # run as a script: make `import test_notebooks` work as under pytest
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_notebooks import NAMES, ROOT, load  # noqa: E402
+from helpers import NAMES, ROOT, load, visible_text
 
-BASELINE = Path(__file__).resolve().parent / 'prose_baseline.json'
+BASELINE = ROOT / 'tests' / 'prose_baseline.json'
 LANGS = ['en', 'zh']
 
 # --- The convention, for the notebooks' authors -------------------------------------------
@@ -123,20 +120,6 @@ def quantities(text):
 
 # --- Reading markdown ----------------------------------------------------------------------
 
-def strip_markup(text):
-    """The visible prose of a markdown block: no code, math, URLs, link targets, HTML,
-    list markers, or the section number of a heading."""
-    text = re.sub(r'<!--.*?-->', ' ', text, flags=re.S)
-    text = re.sub(r'`[^`]*`', ' ', text)
-    text = re.sub(r'\$\$.*?\$\$', ' ', text, flags=re.S)
-    text = re.sub(r'\$[^$\n]*\$', ' ', text)
-    text = re.sub(r'\]\([^)]*\)', ']', text)
-    text = re.sub(r'https?://\S+', ' ', text)
-    text = re.sub(r'<[^>]+>', ' ', text)
-    text = re.sub(r'^\s*#+\s+\d+(?:\.\d+)*\.?', ' ', text, flags=re.M)  # "## 3 s..." is a section
-    return re.sub(r'^\s*(?:[*+-]|\d+[.)])\s+', ' ', text, flags=re.M)  # "1. " numbers a list
-
-
 Block = namedtuple('Block', 'text label_text')
 
 
@@ -168,7 +151,7 @@ def has_source_label(block):
     """True if the block names a source for its numbers, or is marked as given."""
     if GIVEN_MARKER in block.label_text:
         return True
-    visible = strip_markup(block.label_text).lower()
+    visible = visible_text(block.label_text).lower()
     for word in NOT_SOURCE_LABELS:
         visible = visible.replace(word, ' ')
     return any(label.lower() in visible for label in SOURCE_LABELS)
@@ -254,7 +237,7 @@ def find_unbacked_numbers(nb):
         for block in markdown_blocks(cell.source):
             if has_source_label(block):
                 continue
-            for q in quantities(strip_markup(block.text)):
+            for q in quantities(visible_text(block.text)):
                 missing = [n for n in q.numbers if not is_parity(n, q.family)
                            and not any(backs(p, n) for p in printed.get(q.family, []))]
                 if missing:

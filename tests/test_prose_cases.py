@@ -17,7 +17,7 @@ contradicts it (an outcome of the opposite direction).
 import re
 
 import pytest
-from test_notebooks import NAMES, ROOT, load
+from helpers import NAMES, ROOT, load
 
 LANGS = ['en', 'zh']
 VERDICT = {'en': 'Verdict: ', 'zh': '结论：'}

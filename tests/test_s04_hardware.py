@@ -1,19 +1,14 @@
 """Section 04's helpers (comp_perf/s04_hardware.py) and the C programs on its page."""
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import common
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def _written_file(section, filename):
     """The body of the code cell of a section that starts with %%writefile filename."""
-    sys.path.insert(0, str(ROOT / 'tools'))
     import nbpair
     src = next(f for f in nbpair.sources() if f.name.startswith(section))
     bodies = [c['en'].split('\n', 1)[1] for c in nbpair.parse(src)
@@ -33,6 +28,7 @@ def test_cache_knees_finds_the_steps_and_ignores_one_noisy_point():
         common.cache_knees(sizes, rates[:-1])
 
 
+@pytest.mark.procs
 def test_04s_pointer_chase_compiles_and_sees_memory_slower_than_l1(tmp_path):
     source = tmp_path / 'chase.c'
     source.write_text(_written_file('04', 'artifacts/chase.c'))
@@ -43,6 +39,7 @@ def test_04s_pointer_chase_compiles_and_sees_memory_slower_than_l1(tmp_path):
     assert large > 5 * small, (small, large)        # a 128 MiB block leaves every cache; 8 KiB fits L1
 
 
+@pytest.mark.procs
 def test_04s_false_sharing_program_counts_right(tmp_path):
     source = tmp_path / 'false_sharing.c'
     source.write_text(_written_file('04', 'artifacts/false_sharing.c'))
@@ -53,6 +50,7 @@ def test_04s_false_sharing_program_counts_right(tmp_path):
         assert done.returncode == 0 and float(done.stdout) > 0   # exit 0: both counters reached N
 
 
+@pytest.mark.procs
 def test_compile_c_reports_the_compilers_message(tmp_path):
     bad = tmp_path / 'bad.c'
     bad.write_text('int main(void) { return undefined_name; }\n')

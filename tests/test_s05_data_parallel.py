@@ -1,14 +1,12 @@
 """Section 05: the data-parallel code on its page and comp_perf/s05_data_parallel.py."""
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from notebook_code import definitions
 
 import common
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_step_tolerance_follows_dtype_and_device():
@@ -65,26 +63,28 @@ def test_animator_collects_points_outside_a_notebook():
         anim.add(3, [1.0])
 
 
-# The functions are section 05's, defined on its page; the tests run that code.
-SECTION_05 = definitions('05-multi-gpu-from-scratch', 'get_params', 'allreduce', 'split_batch', 'train_batch')
+@pytest.fixture(scope='module')
+def page():
+    """The functions section 05 defines on its page: the tests run that code."""
+    return definitions('05-multi-gpu-from-scratch', 'get_params', 'allreduce', 'split_batch', 'train_batch')
 
 
-def test_get_params_copies_even_on_the_same_device():
+def test_get_params_copies_even_on_the_same_device(page):
     params = common.lenet_params(seed=1)
-    copy = SECTION_05['get_params'](params, 'cpu')
+    copy = page['get_params'](params, 'cpu')
     with torch.no_grad():
         copy[0].add_(1.0)
     assert not torch.equal(copy[0], params[0]) and copy[0].requires_grad
 
 
-def test_allreduce_leaves_the_sum_everywhere():
+def test_allreduce_leaves_the_sum_everywhere(page):
     data = [torch.full((2, 3), float(i + 1)) for i in range(3)]
-    SECTION_05['allreduce'](data)
+    page['allreduce'](data)
     assert all(torch.equal(t, torch.full((2, 3), 6.0)) for t in data)
 
 
-def test_split_batch_uneven_and_bad_input():
-    split_batch = SECTION_05['split_batch']
+def test_split_batch_uneven_and_bad_input(page):
+    split_batch = page['split_batch']
     X, y = torch.arange(14).reshape(7, 2), torch.arange(7)
     xs, ys = split_batch(X, y, ['cpu'] * 3)
     assert [len(s) for s in xs] == [3, 2, 2] and torch.equal(torch.cat(ys), y)
@@ -95,8 +95,8 @@ def test_split_batch_uneven_and_bad_input():
 
 
 @pytest.mark.parametrize('k', [2, 3])
-def test_data_parallel_step_equals_single_device_step(k):
-    get_params, train_batch = SECTION_05['get_params'], SECTION_05['train_batch']
+def test_data_parallel_step_equals_single_device_step(page, k):
+    get_params, train_batch = page['get_params'], page['train_batch']
     torch.manual_seed(0)
     X, y = torch.rand(10, 1, 28, 28), torch.randint(0, 10, (10,))
     params = common.lenet_params(seed=2)
@@ -141,6 +141,7 @@ def test_batch_indices_wrap_and_split_the_same_global_batch():
     assert parts == [[8, 9], [0], [1]]
 
 
+@pytest.mark.procs
 def test_dp_worker_ranks_agree_and_match_one_process(fashion_mnist):
     run = dict(batch_size=64, lr=0.2, steps=1, subset=256)
     two = common.launch(common.dp_worker, 2, run)
@@ -150,6 +151,7 @@ def test_dp_worker_ranks_agree_and_match_one_process(fashion_mnist):
         < common.step_tolerance()
 
 
+@pytest.mark.procs
 def test_the_worker_recipe_of_05s_exercise_runs_and_matches_dp_worker(fashion_mnist, tmp_path, monkeypatch):
     """Solution 2 of 05: %%writefile my_worker.py, import it, launch it. It must work as written."""
     import importlib
@@ -163,13 +165,13 @@ def test_the_worker_recipe_of_05s_exercise_runs_and_matches_dp_worker(fashion_mn
     assert abs(flat[0]['checksum'] - per_tensor[0]['checksum']) < 1e-4 * abs(per_tensor[0]['checksum'])
 
 
-def test_05s_sharded_allreduce_solution_leaves_the_same_sums():
+def test_05s_sharded_allreduce_solution_leaves_the_same_sums(page):
     """Solution 5 of 05 (reduce-scatter, then all-gather) against the notebook's allreduce."""
     import nbformat
     stored = nbformat.read(ROOT / 'notebooks' / 'en' / '05-multi-gpu-from-scratch.ipynb', as_version=4)
     code = next(re.search(r'```python\n(.*?)```', c.source.split('Solution 5</summary>')[1], re.S).group(1)
                 for c in stored.cells if c.cell_type == 'markdown' and 'Solution 5</summary>' in c.source)
-    namespace = dict(SECTION_05, devices=[torch.device('cpu')] * 3)
+    namespace = dict(page, devices=[torch.device('cpu')] * 3)
     exec(code.split('\n\n\ndata = ')[0], namespace)
     data = [torch.randn(1001) * (i + 1) for i in range(3)]      # 1001: slices of unequal length
     expected = [t.clone() for t in data]
@@ -190,6 +192,7 @@ def _writefile_block(notebook, filename):
     return blocks[0].split('\n', 1)[1]
 
 
+@pytest.mark.procs
 def test_the_worker_recipe_of_07s_exercise_runs(tmp_path, monkeypatch):
     """Solution 1 of 07: the ring in a file written with %%writefile, imported, launched."""
     import importlib

@@ -4,16 +4,16 @@ The check (common.check_bucketed_allreduce) passes the reference solution and fa
 bugs, each on the part it should: no division by the world size fails the gradients; sending
 every bucket after backward, or blocking backward on each all-reduce, fails the overlap; counts
 never reset fail the second step's gradients; the notebook's own skeleton is reported as not
-built yet. The tests that start processes (common.launch, directly or inside the check) are in
-the procs tier: tests/conftest.py finds `launch` in the source of the planted fixture, and the
-tests that call the check carry the mark.
+built yet. The tests that start processes (common.launch, directly or inside the check) carry
+the procs mark.
 """
+import nbpair
 import pytest
 import torch
+from helpers import ROOT
 
 import common
 from comp_perf.s06_bucketed import TOLERANCE, bucketed_check, bucketed_parts
-from notebook_code import ROOT, nbpair
 
 NO_DIVISION = '''
 from comp_perf.s06_bucketed import BucketedAllReduce as Reference
@@ -197,20 +197,24 @@ def test_the_notebooks_skeleton_is_not_built_yet(tmp_path, capsys):
     assert 'not built yet: GAP 1: make_buckets' in out and 'Traceback' not in out
 
 
+@pytest.mark.procs
 def test_forgetting_to_divide_fails_the_gradients_only(planted):
     assert _passed(planted['no_division']) == {'grads': False, 'overlap': True, 'buckets': True}
     assert planted['no_division']['grad_gap'] >= 0.5   # twice DDP's gradients: a gap of about the largest one
 
 
+@pytest.mark.procs
 def test_sending_after_backward_fails_the_overlap_only(planted):
     assert _passed(planted['after_backward']) == {'grads': True, 'overlap': False, 'buckets': True}
     assert bucketed_parts(planted['after_backward'])['overlap'][1][0] == 0
 
 
+@pytest.mark.procs
 def test_a_blocking_all_reduce_during_backward_fails_the_overlap(planted):
     assert _passed(planted['blocking']) == {'grads': True, 'overlap': False, 'buckets': True}
 
 
+@pytest.mark.procs
 def test_counts_never_reset_fail_the_second_step(planted):
     assert _passed(planted['no_reset'])['grads'] is False
     first, second = planted['no_reset']['steps']

@@ -1,6 +1,4 @@
 """Section 06: ResNet-18, torchrun, and when DDP all-reduces its buckets (comp_perf/s06_ddp.py)."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -8,8 +6,6 @@ from process_checks import alive, children, wait_until
 
 import common
 from comp_perf.processes import node_gpus
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_resnet18_for_28x28_inputs():
@@ -25,6 +21,7 @@ def _script(tmp_path, body):
     return path
 
 
+@pytest.mark.procs
 def test_torchrun_two_nodes_meet_on_this_host(tmp_path):
     job = _script(tmp_path, "dist.init_process_group('gloo')\n"
                             "print('node', os.environ['GROUP_RANK'], 'rank', dist.get_rank(),"
@@ -35,6 +32,7 @@ def test_torchrun_two_nodes_meet_on_this_host(tmp_path):
     assert lines == ['node 0 rank 0 of 2', 'node 1 rank 1 of 2']
 
 
+@pytest.mark.procs
 def test_torchrun_tells_the_script_the_notebooks_language(tmp_path, monkeypatch):
     """A Chinese notebook's language comes from its folder; the script learns it from COURSE_LANG."""
     folder = tmp_path / 'notebooks' / 'zh'
@@ -45,6 +43,7 @@ def test_torchrun_tells_the_script_the_notebooks_language(tmp_path, monkeypatch)
     assert 'language zh' in common.torchrun(job, timeout=120)[0].splitlines()
 
 
+@pytest.mark.procs
 def test_torchrun_failure_raises_with_the_scripts_error(tmp_path):
     job = _script(tmp_path, "raise SystemExit('the script broke on purpose')\n")
     with pytest.raises(RuntimeError, match='the script broke on purpose'):
@@ -54,7 +53,6 @@ def test_torchrun_failure_raises_with_the_scripts_error(tmp_path):
 def test_06_adds_a_run_on_every_gpu_only_on_t2(fake_gpus):
     """06's choice of process counts, read from its source and run with a faked GPU count."""
     from types import SimpleNamespace
-    sys.path.insert(0, str(ROOT / 'tools'))
     import nbpair
     src = next(f for f in nbpair.sources() if f.name.startswith('06'))
     line = next(row for c in nbpair.parse(src) if c['type'] == 'code'
@@ -81,6 +79,7 @@ def test_two_nodes_on_a_multi_gpu_host_see_their_own_gpus(monkeypatch, fake_gpus
     assert node_gpus(2, 1) == [None, None]           # CPU machines: gloo, nothing to hide
 
 
+@pytest.mark.procs
 def test_torchrun_timeout_leaves_nothing_behind(tmp_path):
     job = _script(tmp_path, f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
                             'time.sleep(600)\n')
@@ -110,10 +109,12 @@ def ddp_names():
     return [name for name, _ in common.resnet18(width=DDP_RUN['width']).named_parameters()]
 
 
+@pytest.mark.procs
 def test_hooks_give_the_gradients_of_ddps_builtin_allreduce(ddp_result):
     assert ddp_result['same_grads'] is True
 
 
+@pytest.mark.procs
 def test_every_parameter_is_in_exactly_one_bucket(ddp_result, ddp_names):
     in_buckets = [name for bucket in ddp_result['buckets'] for name in bucket]
     assert sorted(in_buckets) == sorted(ddp_names)
@@ -121,6 +122,7 @@ def test_every_parameter_is_in_exactly_one_bucket(ddp_result, ddp_names):
 
 
 @pytest.mark.parametrize('mode', DDP_MODES)
+@pytest.mark.procs
 def test_ddp_sees_every_gradient_once_per_step(ddp_result, ddp_names, mode):
     # register_post_accumulate_grad_hook fires under DDP, once per parameter
     seen = [name for name, _ in ddp_result[mode]['median step']['grad']]
@@ -128,6 +130,7 @@ def test_ddp_sees_every_gradient_once_per_step(ddp_result, ddp_names, mode):
 
 
 @pytest.mark.parametrize('mode', DDP_MODES)
+@pytest.mark.procs
 def test_a_bucket_is_sent_only_after_its_gradients_are_ready(ddp_result, mode):
     step = ddp_result[mode]['median step']
     ready = dict(step['grad'])
@@ -139,6 +142,7 @@ def test_a_bucket_is_sent_only_after_its_gradients_are_ready(ddp_result, mode):
     assert all(start <= end for _, start, end in step['allreduce'])
 
 
+@pytest.mark.procs
 def test_ddp_starts_all_but_the_last_bucket_while_backward_computes(ddp_result):
     step = ddp_result['overlapped']['median step']
     *early, last = step['allreduce']
@@ -147,6 +151,7 @@ def test_ddp_starts_all_but_the_last_bucket_while_backward_computes(ddp_result):
     assert ddp_result['overlapped']['overlap'] > 0
 
 
+@pytest.mark.procs
 def test_the_baseline_sends_nothing_before_backward_has_computed_everything(ddp_result):
     step = ddp_result['after backward']['median step']
     assert all(start >= step['computed'] for _, start, _ in step['allreduce'])
@@ -154,6 +159,7 @@ def test_the_baseline_sends_nothing_before_backward_has_computed_everything(ddp_
 
 
 @pytest.mark.parametrize('mode', DDP_MODES)
+@pytest.mark.procs
 def test_ddp_phases_follow_each_other(ddp_result, mode):
     step = ddp_result[mode]['median step']
     assert 0 < step['forward'][1] == step['backward'][0] < step['computed'] <= step['backward'][1]

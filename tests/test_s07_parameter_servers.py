@@ -40,17 +40,20 @@ def test_sync_time_refuses_nonsense():
 
 @pytest.mark.parametrize('algorithm', sorted(RING_ALGORITHMS))
 @pytest.mark.parametrize('world_size,numel', [(2, 10), (3, 1000), (4, 7)])
+@pytest.mark.procs
 def test_ring_allreduce_equals_all_reduce(world_size, numel, algorithm):
     errors = common.launch(common.ring_check, world_size, numel, algorithm, timeout=120)
     assert max(errors) < 1e-5
 
 
+@pytest.mark.procs
 def test_ring_check_can_fail():
     # A ring that forgets the all-gather leaves every rank with only one finished chunk.
     errors = common.launch(workers.check_a_broken_ring, 3, 999, timeout=120)
     assert min(errors) > 0.1
 
 
+@pytest.mark.procs
 def test_comm_benchmark_measures_every_algorithm():
     sizes = [64, 4096, 65536]
     out = common.launch(common.comm_benchmark, 2, sizes, 2,
@@ -62,13 +65,14 @@ def test_comm_benchmark_measures_every_algorithm():
         common.launch(common.comm_benchmark, 2, sizes, 1, ('carrier-pigeon',), timeout=60)
 
 
-# The cost models are 07's, defined on its page; the tests run that code.
-SECTION_07 = definitions('07-parameter-servers', 'fit_alpha_beta', 'ring_model', 'ps_time',
-                         'hierarchical_time')
+@pytest.fixture(scope='module')
+def page():
+    """The cost models section 07 defines on its page: the tests run that code."""
+    return definitions('07-parameter-servers', 'fit_alpha_beta', 'ring_model', 'ps_time', 'hierarchical_time')
 
 
-def test_fit_alpha_beta_recovers_a_known_line():
-    fit_alpha_beta, ring_model = SECTION_07['fit_alpha_beta'], SECTION_07['ring_model']
+def test_fit_alpha_beta_recovers_a_known_line(page):
+    fit_alpha_beta, ring_model = page['fit_alpha_beta'], page['ring_model']
     sizes = np.array([16, 1024, 65536, 2 ** 20, 2 ** 24])
     alpha, beta = fit_alpha_beta(sizes, 50e-6 + sizes / 2e9)
     assert alpha == pytest.approx(50e-6, rel=1e-6) and beta == pytest.approx(0.5e-9, rel=1e-6)
@@ -77,8 +81,8 @@ def test_fit_alpha_beta_recovers_a_known_line():
         fit_alpha_beta([1], [1.0])
 
 
-def test_parameter_server_and_hierarchical_costs():
-    ps_time, hierarchical_time = SECTION_07['ps_time'], SECTION_07['hierarchical_time']
+def test_parameter_server_and_hierarchical_costs(page):
+    ps_time, hierarchical_time = page['ps_time'], page['hierarchical_time']
     MB, GB = 1e6, 1e9
     one = ps_time(160 * MB, 8, 1, 10 * GB)
     assert one == pytest.approx(2 * 8 * 0.016)                      # 8 workers through one link
@@ -145,6 +149,7 @@ ROLES = ['server 0', 'server 1', 'worker 0', 'worker 1']
 PS_RUN = dict(servers=2, steps=3, batch_size=64, lr=0.2, subset=512, piece=20000)
 
 
+@pytest.mark.procs
 def test_parameter_server_step_equals_all_reduce_training(fashion_mnist):
     out = common.launch(common.ps_process, 4, PS_RUN, names=ROLES, timeout=120)
     servers, workers_ = out[:2], out[2:]
@@ -163,6 +168,7 @@ def test_parameter_server_step_equals_all_reduce_training(fashion_mnist):
 
 
 @pytest.mark.parametrize('role,noticed', [('worker', 'server'), ('server', 'worker')])
+@pytest.mark.procs
 def test_parameter_server_names_a_killed_process(fashion_mnist, role, noticed, tmp_path):
     stamp = tmp_path / 'fault-time'   # the delay counts from the fault, not from start-up
     run = dict(PS_RUN, steps=4, fault=dict(role=role, index=1, step=2, kind='kill', stamp=str(stamp)))
@@ -172,6 +178,7 @@ def test_parameter_server_names_a_killed_process(fashion_mnist, role, noticed, t
     assert time.time() - float(stamp.read_text()) < 20
 
 
+@pytest.mark.procs
 def test_parameter_server_times_out_on_a_silent_worker(fashion_mnist, tmp_path):
     stamp = tmp_path / 'fault-time'
     run = dict(PS_RUN, steps=4, timeout=3,
@@ -181,6 +188,7 @@ def test_parameter_server_times_out_on_a_silent_worker(fashion_mnist, tmp_path):
     assert 3 <= time.time() - float(stamp.read_text()) < 20
 
 
+@pytest.mark.procs
 def test_parameter_server_resumes_from_a_checkpoint_exactly(fashion_mnist, tmp_path):
     run = dict(PS_RUN, steps=6)
     ckpt = dict(dir=str(tmp_path / 'ckpt'), every=2)
@@ -200,6 +208,7 @@ def test_parameter_server_resumes_from_a_checkpoint_exactly(fashion_mnist, tmp_p
         assert torch.equal(a, b)
 
 
+@pytest.mark.procs
 def test_launch_names_the_killed_process_not_the_peer_that_noticed():
     with pytest.raises(common.WorkerError, match=r'rank 0 \(first\) exited with code -9 \(SIGKILL\)'
                                                  r'.*rank 1 \(second\) noticed first'):
@@ -223,6 +232,7 @@ def _by_case(results, servers):
             for i in range(len(results[0]))]
 
 
+@pytest.mark.procs
 def test_staleness_zero_is_synchronous_sgd():
     # 2 servers, key pieces, 2 workers, one a straggler: s=0 must walk in lock-step
     # and do the arithmetic of the synchronous ps_process, one push at a time.
@@ -241,6 +251,7 @@ def test_staleness_zero_is_synchronous_sgd():
     assert diff < 1e-5, f's=0 ends {diff:.1e} away from synchronous SGD'
 
 
+@pytest.mark.procs
 def test_staleness_bound_and_straggler():
     # One server, two workers; worker 1 sleeps 60 ms a step. Then both hiccup in turn (80 ms).
     # Small batches and long sleeps, so that the sleeps, not the shared cores, set the pace
@@ -267,6 +278,7 @@ def test_staleness_bound_and_straggler():
 
 
 @pytest.mark.parametrize('kind, staleness', [('kill', 0), ('hang', None)])
+@pytest.mark.procs
 def test_failed_worker_stops_the_job(kind, staleness):
     # With s=None the other worker finishes its steps; the server must still name worker 1.
     run = dict(ASYNC_BASE, staleness=staleness, timeout=2,

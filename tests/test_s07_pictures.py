@@ -38,6 +38,7 @@ def sent_labels(fig):
 
 
 @pytest.mark.parametrize('world_size', [3, 4])
+@pytest.mark.procs
 def test_the_ring_picture_is_drawn_from_the_traced_run(world_size):
     traces = common.launch(common.ring_trace, world_size, timeout=120)
     n = world_size

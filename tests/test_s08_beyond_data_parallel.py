@@ -7,8 +7,31 @@ from notebook_code import definitions
 import common
 from comp_perf.s08_beyond_data_parallel import local_bytes, pipeline_model, pipeline_stage_part
 
-SECTION_08 = definitions('08-beyond-data-parallelism', 'check_same_training', 'check_tensor_parallel',
-                         'check_pipeline')
+
+@pytest.fixture(scope='module')
+def page():
+    """The checks and the pipeline replay section 08 defines on its page: the tests run that code."""
+    return definitions('08-beyond-data-parallelism', 'check_same_training', 'check_tensor_parallel',
+                       'check_pipeline', 'replay_without_handovers')
+
+
+def gpipe_timeline(p, m, tf=1.0, tb=2.0, handover=0.0):
+    """Spans of a GPipe step (forward tf, backward tb per micro-batch); each hand-over between stages
+    takes `handover` seconds, none in the ideal one."""
+    f_end = [[0.0] * m for _ in range(p)]
+    b_end = [[0.0] * m for _ in range(p)]
+    spans = [[] for _ in range(p)]
+    for s in range(p):
+        for i in range(m):
+            start = max(f_end[s][i - 1] if i else 0.0, f_end[s - 1][i] + handover if s else 0.0)
+            f_end[s][i] = start + tf
+            spans[s].append(('F', start, start + tf))
+    for s in reversed(range(p)):
+        for i in range(m):
+            start = max(b_end[s][i - 1] if i else f_end[s][-1], b_end[s + 1][i] + handover if s < p - 1 else 0.0)
+            b_end[s][i] = start + tb
+            spans[s].append(('B', start, start + tb))
+    return spans
 
 
 def test_zero_memory_reproduces_the_zero_paper_and_checks_its_input():
@@ -62,20 +85,15 @@ def test_ring_bytes_and_bubble_formulas():
 
 @pytest.mark.parametrize('p,m', [(2, 1), (2, 4), (3, 5)])
 def test_measured_bubble_of_an_ideal_gpipe_timeline_is_the_formula(p, m):
-    tf, tb = 1.0, 2.0
-    spans = [[('F', (s + i) * tf, (s + i + 1) * tf) for i in range(m)] for s in range(p)]
-    backward_start = (m + p - 1) * tf
-    for s in range(p):   # the last stage starts the backward, the first finishes it
-        spans[s] += [('B', backward_start + (p - 1 - s + i) * tb, backward_start + (p - s + i) * tb)
-                     for i in range(m)]
-    assert common.measured_bubble(spans) == pytest.approx(common.bubble_fraction(p, m))
+    assert common.measured_bubble(gpipe_timeline(p, m)) == pytest.approx(common.bubble_fraction(p, m))
 
 
-def test_sharded_training_equals_ddp_with_a_half_per_rank_and_the_check_catches_a_bad_start():
+@pytest.mark.procs
+def test_sharded_training_equals_ddp_with_a_half_per_rank_and_the_check_catches_a_bad_start(page):
     run = dict(widths=[16, 32, 32, 4], batch_size=32, steps=4, lr=1e-2, count_step=2,
                modes=('ddp', 'zero1', 'fsdp', 'fsdp, no reshard'))
     results = common.launch(common.sharded_training, 2, run, threads=1)
-    SECTION_08['check_same_training'](results)
+    page['check_same_training'](results)
     n = sum(p.numel() for p in common.mlp(run['widths']).parameters())
     for r in results:
         assert r['ddp']['memory']['parameters'] == 4 * n and r['fsdp']['memory']['parameters'] == 2 * n
@@ -84,33 +102,36 @@ def test_sharded_training_equals_ddp_with_a_half_per_rank_and_the_check_catches_
         assert set(r['ddp']['collectives']) == {'all-reduce'}
     bad = common.launch(common.sharded_training, 2, dict(run, seed_by_rank=True, modes=('ddp', 'fsdp')), threads=1)
     with pytest.raises(AssertionError, match='fsdp'):
-        SECTION_08['check_same_training'](bad)
+        page['check_same_training'](bad)
 
 
-def test_tensor_parallel_block_equals_the_unsplit_block_and_the_check_catches_different_weights():
+@pytest.mark.procs
+def test_tensor_parallel_block_equals_the_unsplit_block_and_the_check_catches_different_weights(page):
     run = dict(d=16, hidden=64, batch_size=8)
     good = common.launch(common.tensor_parallel_check, 2, run, threads=1)
-    assert SECTION_08['check_tensor_parallel'](good) < 1e-5
+    assert page['check_tensor_parallel'](good) < 1e-5
     assert good[0]['forward'] == {'all-reduce': 1} == good[0]['backward']
     assert good[0]['shapes'] == {'first': ((32, 16), (64, 16)), 'second': ((16, 32), (16, 64))}
     bad = common.launch(common.tensor_parallel_check, 2, dict(run, seed_by_rank=True), threads=1)
     with pytest.raises(AssertionError, match='rank 1'):
-        SECTION_08['check_tensor_parallel'](bad)
+        page['check_tensor_parallel'](bad)
 
 
-def test_pipeline_equals_the_unsplit_model_and_the_check_catches_summed_micro_batches():
+@pytest.mark.procs
+def test_pipeline_equals_the_unsplit_model_and_the_check_catches_summed_micro_batches(page):
     run = dict(hidden=32, layers=4, classes=10, batch_size=16, repeats=1,
                schedules=[('GPipe', 1), ('GPipe', 4), ('1F1B', 4)])
     good = common.launch(common.pipeline_run, 2, run, threads=1)
-    assert SECTION_08['check_pipeline'](good) < 1e-5
+    assert page['check_pipeline'](good) < 1e-5
     assert [r['peak_held'] for r in good[0]] == [1, 4, 2]             # 1F1B holds at most p
     assert all(kinds == {'F', 'B'} for kinds in ({k for k, *_ in r['spans'][0]} for r in good[0]))
     bad = common.launch(common.pipeline_run, 2, dict(run, scale_grads=False, schedules=[('GPipe', 4)]),
                         threads=1)
     with pytest.raises(AssertionError, match='gradients'):
-        SECTION_08['check_pipeline'](bad)
+        page['check_pipeline'](bad)
 
 
+@pytest.mark.procs
 def test_beyond_data_parallelism_workers_refuse_bad_settings():
     with pytest.raises(ValueError, match='shared evenly'):
         pipeline_stage_part(pipeline_model(8, 3, 2), 0, 2)
@@ -119,28 +140,10 @@ def test_beyond_data_parallelism_workers_refuse_bad_settings():
                                                        count_step=0, modes=('zero9',)), threads=1)
 
 
-def _gpipe_timeline(p, m, tf=1.0, tb=2.0, handover=0.0):
-    """Spans of an ideal GPipe step; each hand-over between stages takes `handover` seconds."""
-    f_end = [[0.0] * m for _ in range(p)]
-    b_end = [[0.0] * m for _ in range(p)]
-    spans = [[] for _ in range(p)]
-    for s in range(p):
-        for i in range(m):
-            start = max(f_end[s][i - 1] if i else 0.0, f_end[s - 1][i] + handover if s else 0.0)
-            f_end[s][i] = start + tf
-            spans[s].append(('F', start, start + tf))
-    for s in reversed(range(p)):
-        for i in range(m):
-            start = max(b_end[s][i - 1] if i else f_end[s][-1], b_end[s + 1][i] + handover if s < p - 1 else 0.0)
-            b_end[s][i] = start + tb
-            spans[s].append(('B', start, start + tb))
-    return spans
-
-
 @pytest.mark.parametrize('p,m', [(2, 1), (2, 8), (4, 5)])
-def test_the_pipeline_replay_removes_hand_overs_and_nothing_else(p, m):
-    replay = definitions('08-beyond-data-parallelism', 'replay_without_handovers')['replay_without_handovers']
-    ideal, slow = _gpipe_timeline(p, m), _gpipe_timeline(p, m, handover=0.5)
+def test_the_pipeline_replay_removes_hand_overs_and_nothing_else(page, p, m):
+    replay = page['replay_without_handovers']
+    ideal, slow = gpipe_timeline(p, m), gpipe_timeline(p, m, handover=0.5)
     assert common.measured_bubble(ideal) == pytest.approx(common.bubble_fraction(p, m))
     assert replay(ideal) == pytest.approx(common.bubble_fraction(p, m))
     assert common.measured_bubble(slow) > common.bubble_fraction(p, m) + 0.01
@@ -157,8 +160,8 @@ ONE_F_ONE_B = [[('F', 0, 1), ('F', 1, 2), ('B', 4, 6), ('F', 6, 7), ('B', 7, 9),
                [('F', 1, 2), ('B', 2, 4), ('F', 4, 5), ('B', 5, 7), ('F', 7, 8), ('B', 8, 10)]]
 
 
-def test_the_pipeline_replay_follows_each_stage_s_own_order():
-    replay = definitions('08-beyond-data-parallelism', 'replay_without_handovers')['replay_without_handovers']
+def test_the_pipeline_replay_follows_each_stage_s_own_order(page):
+    replay = page['replay_without_handovers']
     assert common.measured_bubble(ONE_F_ONE_B) == pytest.approx(0.25)
     assert replay(ONE_F_ONE_B) == pytest.approx(common.bubble_fraction(2, 3))     # 1/4, as for GPipe
     late = [[(k, 1.5 * s, 1.5 * s + e - s) for k, s, e in spans] for spans in ONE_F_ONE_B]  # waits for data

@@ -7,13 +7,20 @@ from notebook_code import definitions
 import common
 from comp_perf import s08_combining
 
-check_mesh_2d = definitions('08-beyond-data-parallelism', 'check_mesh_2d')['check_mesh_2d']
+
+@pytest.fixture(scope='module')
+def page():
+    """The 2-D mesh check section 08 defines on its page: the tests run that code."""
+    return definitions('08-beyond-data-parallelism', 'check_mesh_2d')
+
+
 RUN = dict(dp=2, tp=2, d=16, hidden=64, batch_size=16, steps=2, lr=0.1)
 
 
-def test_fsdp_over_dp_with_tp_equals_the_unsplit_block_and_the_check_catches_two_planted_bugs():
+@pytest.mark.procs
+def test_fsdp_over_dp_with_tp_equals_the_unsplit_block_and_the_check_catches_two_planted_bugs(page):
     good = common.launch(common.mesh_2d_training, 4, RUN, threads=1)
-    assert check_mesh_2d(good) < 1e-5
+    assert page['check_mesh_2d'](good) < 1e-5
     assert sorted(r['coords'] for r in good) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r['collectives'] == {'all-gather': 1, 'all-reduce': 1, 'reduce-scatter': 1} for r in good)
     placements = good[0]['placements']
@@ -24,9 +31,10 @@ def test_fsdp_over_dp_with_tp_equals_the_unsplit_block_and_the_check_catches_two
     for bug in ('same data', 'sum over dp'):   # both pass every shape and count above; the check fails them
         bad = common.launch(common.mesh_2d_training, 4, dict(RUN, bug=bug), threads=1)
         assert bad[0]['placements'] == placements and bad[0]['collectives'] == good[0]['collectives']
-        assert check_mesh_2d(bad) > 1e-2, bug
+        assert page['check_mesh_2d'](bad) > 1e-2, bug
 
 
+@pytest.mark.procs
 def test_the_mesh_worker_refuses_a_mesh_that_is_not_the_processes():
     with pytest.raises(ValueError, match='needs 4 processes'):
         common.launch(common.mesh_2d_training, 2, RUN, threads=1)

@@ -1,16 +1,20 @@
 """Section 08's built pieces (comp_perf/s08_zero_by_hand.py, comp_perf/s08_fsdp_timeline.py): the ZeRO-1
 check passes the reference, fails planted bugs and says "not built yet" on the notebook's skeleton; the
 FSDP timeline records each layer's all-gathers and reduce-scatters in the order FSDP runs them.
-Every test here starts worker processes (check_zero1 and fsdp_timeline run under common.launch).
+Every test here starts worker processes (check_zero1 and fsdp_timeline run under common.launch): the
+procs tier.
 """
 import inspect
 import re
 
+import nbpair
 import pytest
+from helpers import ROOT
 
 import common
 from comp_perf import s08_zero_by_hand
-from notebook_code import ROOT, nbpair
+
+pytestmark = pytest.mark.procs
 
 REFERENCE = inspect.getsource(s08_zero_by_hand.Zero1)
 HEADER = 'import torch\nimport torch.distributed as dist\n\n\n'
@@ -33,14 +37,13 @@ def skeleton():
 
 
 def test_the_reference_zero1_passes_its_check(capsys):
-    # check_zero1 runs common.launch: 2 gloo processes
     assert common.check_zero1('comp_perf.s08_zero_by_hand')
     out = capsys.readouterr().out
     assert out.count('pass (a)') == 2 and 'pass (b)' in out and out.rstrip().endswith('ZeRO-1 by hand: pass')
 
 
 def test_the_zero1_check_fails_when_the_gradients_are_not_averaged(tmp_path, capsys):
-    # Adam hardly notices a gradient scaled by N; SGD with momentum does (launch, 2 processes)
+    # Adam hardly notices a gradient scaled by N; SGD with momentum does
     bug = planted(tmp_path, 'summed', 'grad_shard /= self.world', 'pass')
     assert not common.check_zero1(str(bug))
     out = capsys.readouterr().out
@@ -48,7 +51,7 @@ def test_the_zero1_check_fails_when_the_gradients_are_not_averaged(tmp_path, cap
 
 
 def test_the_zero1_check_fails_when_every_rank_keeps_the_whole_optimiser_state(tmp_path, capsys):
-    # every rank steps an optimiser over all parameters: right parameters, full-size state (launch)
+    # every rank steps an optimiser over all parameters: right parameters, full-size state
     bug = planted(tmp_path, 'full_state', 'self.optimizer = optimizer_class([self.shard], **defaults)',
                   'self.whole = flat.clone().requires_grad_()\n'
                   '        self.optimizer = optimizer_class([self.whole], **defaults)')
@@ -67,7 +70,7 @@ def test_the_zero1_check_fails_when_every_rank_keeps_the_whole_optimiser_state(t
 
 
 def test_the_zero1_check_says_not_built_yet_on_the_notebooks_skeleton(tmp_path, capsys):
-    # the skeleton raises NotImplementedError in its first gap, in both worker processes (launch)
+    # the skeleton raises NotImplementedError in its first gap, in both worker processes
     path = tmp_path / 'my_zero1.py'
     path.write_text(skeleton())
     assert not common.check_zero1(str(path))
@@ -76,7 +79,7 @@ def test_the_zero1_check_says_not_built_yet_on_the_notebooks_skeleton(tmp_path, 
 
 
 def test_the_zero1_check_reports_a_worker_error_without_hanging(tmp_path, capsys):
-    # a rank that skips the all-gather leaves the other one waiting: op_timeout ends it (launch)
+    # a rank that skips the all-gather leaves the other one waiting: op_timeout ends it
     bug = planted(tmp_path, 'one_rank', 'dist.all_gather_single(whole, self.shard.detach())',
                   'dist.all_gather_single(whole, self.shard.detach()) if self.rank == 0 else None')
     assert not common.check_zero1(str(bug))
@@ -108,7 +111,7 @@ def test_the_fsdp_timeline_places_the_collectives_of_a_padded_layer(bad):
 
 
 def test_the_skeleton_filled_with_solution_5_passes(tmp_path, capsys):
-    # exercise 5's solution, put in place of the skeleton's raises, passes the check (launch, 2 processes)
+    # exercise 5's solution, put in place of the skeleton's raises, passes the check
     source = (ROOT / 'notebooks' / 'src' / '08-beyond-data-parallelism.txt').read_text(encoding='utf-8')
     solution = re.search(r'<details><summary>Solution 5</summary>(.*?)</details>', source, re.S).group(1)
     gaps = re.findall(r'```python\n(.*?)```', solution, re.S)

@@ -9,7 +9,7 @@ untagged cell names such a thing.
 import re
 
 import pytest
-from test_notebooks import NAMES, ROOT, load
+from helpers import NAMES, ROOT, load
 
 TAGS = {'nbval-ignore-output', 'nbval-skip'}
 MACHINE_DEPENDENT = [

@@ -1,13 +1,11 @@
 """The maintainers' tools: their code paths run here on the CPU."""
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 import common
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool(name):
@@ -167,6 +165,7 @@ def test_gpu_smoke_stops_before_the_run_without_kit_or_data(gpu_smoke):
     assert gpu_smoke.preflight(chosen[:1], {'fashion_mnist': None}, {}) == ([], False)   # 02 needs no data
 
 
+@pytest.mark.procs
 def test_gpu_smoke_interrupts_a_cell_past_its_limit_and_keeps_its_traceback(gpu_smoke, tmp_path, capsys):
     import json
     nbformat = pytest.importorskip('nbformat')
