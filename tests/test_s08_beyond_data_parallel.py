@@ -1,4 +1,5 @@
-"""Section 08: memory, sharded, tensor and pipeline parallelism (comp_perf/s08_beyond_data_parallel.py)."""
+"""Section 08: memory (comp_perf/s08_memory.py), sharded, tensor and pipeline parallelism
+(comp_perf/s08_beyond_data_parallel.py)."""
 
 import pytest
 import torch
