@@ -61,18 +61,17 @@ from comp_perf.s05_data_parallel import LENET_SHAPES
 from comp_perf.s07_ring import (SYNC_STRATEGIES, SYNC_LABELS, sync_time, ring_allreduce, ring_check,
                                 ring_allreduce_both_ways, comm_benchmark, sync_calculator, ring_trace)
 from comp_perf.s07_pictures import ring_steps, plot_ring_steps, plot_push_pull, plot_async_runs
-from comp_perf.s07_parameter_server import (KVStore, shard_keys, PSFault, ps_process, resume_step,
-                                            save_checkpoint, ps_server, ps_worker,
-                                            ps_async_process, ps_in_turn)
+from comp_perf.s07_parameter_server import KVStore, shard_keys, ps_process, ps_server, ps_worker
+from comp_perf.s07_ps_messages import PSFault, resume_step, save_checkpoint
+from comp_perf.s07_async_ps import ps_async_process, ps_in_turn
 
 # 08 Beyond data parallelism — memory, ZeRO and FSDP, tensor and pipeline parallelism, a 2-D mesh
 from comp_perf.processes import worker_device
-from comp_perf.s08_beyond_data_parallel import (PRECISIONS, ZERO_SHARDS, MEMORY_PARTS, zero_memory,
-                                                training_memory, saved_activation_bytes,
-                                                memory_calculator, ring_bytes, mlp, teacher_batches,
-                                                sharded_training, tensor_parallel_check,
-                                                bubble_fraction, pipeline_run, measured_bubble,
-                                                memory_figure)
+from comp_perf.s08_memory import (PRECISIONS, ZERO_SHARDS, MEMORY_PARTS, zero_memory, training_memory,
+                                  saved_activation_bytes, memory_calculator, memory_figure)
+from comp_perf.s08_beyond_data_parallel import (ring_bytes, mlp, teacher_batches, sharded_training,
+                                                tensor_parallel_check, bubble_fraction, pipeline_run,
+                                                measured_bubble)
 from comp_perf.s08_zero_by_hand import Zero1, check_zero1
 from comp_perf.s08_fsdp_timeline import fsdp_timeline, plot_fsdp_timeline
 from comp_perf.s08_combining import draw_mesh_2d, mesh_2d_training, plan_estimate, plot_plan_memory

@@ -107,6 +107,26 @@ def worker_device():
     return torch.device(f'cuda:{dist.get_rank()}') if dist.get_backend() == 'nccl' else torch.device('cpu')
 
 
+def run_keys(run, required, optional=(), who=None):
+    """Check a worker's settings dict `run`: every key of `required`, no key outside `optional`.
+
+    Raises ValueError naming the missing or unknown keys and the keys allowed;
+    `who` names the worker in it (default: the function that calls run_keys).
+    """
+    # Pages and exercises write these dicts by hand: unchecked, a misspelt key
+    # ('timout') would be ignored and silently change the experiment.
+    who = who or sys._getframe(1).f_code.co_name
+    if not isinstance(run, dict):
+        raise TypeError(f'{who} takes its settings as a dict, got {type(run).__name__}.')
+    missing = [key for key in required if key not in run]
+    unknown = [key for key in run if key not in required and key not in optional]
+    if missing or unknown:
+        wrong = '; '.join(([f'unknown key(s) {unknown} (check the spelling)'] if unknown else [])
+                          + ([f'missing key(s) {missing}'] if missing else []))
+        raise ValueError(f'{who}: {wrong}. It takes {", ".join(required) or "no required keys"}'
+                         + (f' and optionally {", ".join(optional)}' if optional else '') + '.')
+
+
 def allreduce_check(rank, world_size):
     """Worker for launch(): all-reduce each rank's number; every rank returns the sum.
 

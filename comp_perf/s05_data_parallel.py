@@ -15,7 +15,7 @@ from comp_perf.fashion_mnist import fashion_mnist_datasets
 from comp_perf.language import in_notebook
 from comp_perf.machine import num_gpus, try_gpu
 from comp_perf.measure import synchronize
-from comp_perf.processes import worker_device
+from comp_perf.processes import run_keys, worker_device
 
 
 @contextlib.contextmanager
@@ -230,6 +230,7 @@ def dp_worker(rank, world_size, run):
     Returns the device, throughput and a checksum of the parameters (rank 0 also
     returns them).
     """
+    run_keys(run, ('batch_size', 'lr', 'steps'), ('seed', 'subset', 'full_fp32'))
     batch_size, lr, steps = run['batch_size'], run['lr'], run['steps']
     seed, subset = run.get('seed', 0), run.get('subset')
     device = worker_device()

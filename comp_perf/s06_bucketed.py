@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from comp_perf.language import tr
 from comp_perf.measure import Case
-from comp_perf.processes import launch
+from comp_perf.processes import launch, run_keys
 from comp_perf.s06_ddp import resnet18
 
 
@@ -127,6 +127,7 @@ def bucketed_check(rank, world_size, module, folder, run=None):
     by wrapping torch.distributed.all_reduce). A class
     that raises NotImplementedError returns {'not built': its message}.
     """
+    run_keys(run or {}, (), tuple(CHECK_RUN))   # each key changes one of CHECK_RUN's values
     run = {**CHECK_RUN, **(run or {})}
     if folder not in sys.path:
         sys.path.insert(0, folder)
@@ -210,6 +211,7 @@ def check_bucketed_allreduce(module='my_buckets', folder=None, run=None):
     pass ended, and whether the gradients went in buckets; or that the class is not built yet.
     Returns 'pass', 'fail' or 'not built' (a string that a notebook does not echo).
     """
+    run_keys(run or {}, (), tuple(CHECK_RUN))   # here, before any process starts
     run = {**CHECK_RUN, **(run or {})}
     result = launch(bucketed_check, 2, module, os.path.abspath(folder or os.getcwd()), run,
                     threads=1, timeout=120, op_timeout=60)[0]

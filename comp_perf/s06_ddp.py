@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from comp_perf.language import tr
 from comp_perf.measure import covered_seconds
+from comp_perf.processes import run_keys
 
 
 class Residual(torch.nn.Module):
@@ -107,6 +108,7 @@ def ddp_timeline(rank, world_size, run):
     hooks give exactly the gradients of DDP's built-in all-reduce. Runs over gloo on
     CPU processes.
     """
+    run_keys(run, ('width', 'batch_size', 'bucket_cap_mb', 'warmup', 'steps'))
     clock = time.perf_counter
     torch.manual_seed(0)
     net = resnet18(width=run['width'])

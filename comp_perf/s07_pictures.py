@@ -1,6 +1,7 @@
-"""Section 07's pictures, drawn from its runs: the calculator's bars at its starting values,
-the ring all-reduce step by step (from ring_trace), a parameter server's pushes and
-pulls (from ps_process's results), and the asynchronous runs' losses.
+"""Section 07's pictures, drawn from its runs: the ring all-reduce step by step (from
+ring_trace), a parameter server's pushes and pulls (from ps_process's results), and the
+asynchronous runs' losses. (The calculator's static figure sits with the calculator, in
+s07_ring.py.)
 
 Each helper checks that the data it is given tells one consistent story (the chunk a
 rank received is the one its neighbour sent, the bytes a server received are what its
@@ -9,25 +10,6 @@ keys hold) and refuses to draw otherwise.
 import numpy as np
 
 from comp_perf.language import tr
-from comp_perf.s07_ring import SYNC_LABELS, _strategy_times
-
-
-def _plot_sync_times(size_mb=160, devices=4, bandwidth_gbs=16, links=1, ax=None):
-    """The calculator's bars as a figure: ms per strategy at these inputs (_strategy_times). Returns ax."""
-    import matplotlib.pyplot as plt
-    times = _strategy_times(size_mb, devices, bandwidth_gbs, links)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 2.4))
-    names = [tr(SYNC_LABELS[k]) for k in times]
-    bars = ax.barh(names, list(times.values()), color='#4c72b0')
-    ax.bar_label(bars, [f'{t:,.2f} ms' for t in times.values()], padding=3, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.25 * max(max(times.values()), 1e-9))
-    ax.set_xlabel(tr('sync time (ms)'))
-    ax.set_title(tr("static picture at the calculator's starting values: {s:g} MB, {n} devices, "
-                    '{b:g} GB/s per link, {r} ring(s)', s=size_mb, n=devices, b=bandwidth_gbs, r=links),
-                 fontsize=9)
-    return ax
 
 
 def _contributors(value, n):

@@ -1,6 +1,7 @@
-"""Section 07, synchronisation costs: the strategies' cost model and its calculator, and
-a ring all-reduce over torch.distributed point-to-point messages, checked against
-all_reduce and timed. The α-β models fitted to those timings are on 07's page.
+"""Section 07, synchronisation costs: the strategies' cost model, its calculator and the
+calculator's static figure, and a ring all-reduce over torch.distributed point-to-point
+messages, checked against all_reduce and timed. The α-β models fitted to those timings
+are on 07's page.
 """
 import time
 
@@ -184,6 +185,24 @@ def _strategy_times(size_mb, devices, bandwidth_gbs, links=1):
             for k in SYNC_STRATEGIES}
 
 
+def _plot_sync_times(size_mb=160, devices=4, bandwidth_gbs=16, links=1, ax=None):
+    """The calculator's bars as a figure: ms per strategy at these inputs (_strategy_times). Returns ax."""
+    import matplotlib.pyplot as plt
+    times = _strategy_times(size_mb, devices, bandwidth_gbs, links)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 2.4))
+    names = [tr(SYNC_LABELS[k]) for k in times]
+    bars = ax.barh(names, list(times.values()), color='#4c72b0')
+    ax.bar_label(bars, [f'{t:,.2f} ms' for t in times.values()], padding=3, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.25 * max(max(times.values()), 1e-9))
+    ax.set_xlabel(tr('sync time (ms)'))
+    ax.set_title(tr("static picture at the calculator's starting values: {s:g} MB, {n} devices, "
+                    '{b:g} GB/s per link, {r} ring(s)', s=size_mb, n=devices, b=bandwidth_gbs, r=links),
+                 fontsize=9)
+    return ax
+
+
 def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1, static=True):
     """An ipywidgets calculator: sliders for the sync_time inputs, a bar per strategy.
 
@@ -193,8 +212,6 @@ def sync_calculator(size_mb=160, devices=4, bandwidth_gbs=16, links=1, static=Tr
     import ipywidgets as widgets
     if static:
         import matplotlib.pyplot as plt
-
-        from comp_perf.s07_pictures import _plot_sync_times
         _plot_sync_times(size_mb, devices, bandwidth_gbs, links)
         plt.show()
     labels = {k: tr(label) for k, label in SYNC_LABELS.items()}

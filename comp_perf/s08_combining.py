@@ -9,8 +9,10 @@ import warnings
 import torch
 
 from comp_perf.language import tr
+from comp_perf.processes import run_keys
 from comp_perf.s07_ring import sync_time
-from comp_perf.s08_beyond_data_parallel import bubble_fraction, count_collectives, mlp_block, zero_memory
+from comp_perf.s08_beyond_data_parallel import bubble_fraction, count_collectives, mlp_block
+from comp_perf.s08_memory import zero_memory
 
 
 def mesh_2d_training(rank, world_size, run):
@@ -28,6 +30,7 @@ def mesh_2d_training(rank, world_size, run):
     first step, and the largest differences from the unsplit block: of the
     gradients after the first step and of the parameters after the last.
     """
+    run_keys(run, ('dp', 'tp', 'd', 'hidden', 'batch_size', 'steps', 'lr'), ('seed', 'bug'))
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode

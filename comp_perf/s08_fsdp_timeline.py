@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from comp_perf.language import tr
+from comp_perf.processes import run_keys
 from comp_perf.s08_beyond_data_parallel import mlp, teacher_batches
 
 # The names FSDP calls, newest first (torch 2.14 calls the *_single ones; older releases the others).
@@ -37,6 +38,7 @@ def fsdp_timeline(rank, world_size, run):
     samples (time, bytes) and the layers' whole and shard sizes in bytes; times in
     seconds from a barrier at the step's start.
     """
+    run_keys(run, ('widths', 'batch_size', 'steps'))
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     warnings.filterwarnings('ignore', message='FSDP2-wrapped module')

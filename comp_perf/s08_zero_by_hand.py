@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from comp_perf.language import tr
-from comp_perf.s08_beyond_data_parallel import local_bytes, mlp, teacher_batches
+from comp_perf.processes import launch, run_keys
+from comp_perf.s08_beyond_data_parallel import mlp, teacher_batches
+from comp_perf.s08_memory import local_bytes
 
 
 class Zero1:
@@ -89,6 +91,7 @@ def zero1_check_worker(rank, world_size, run):
     and the bytes of optimiser state on this rank and in the unsharded optimiser;
     or {'not_built': message} when the file still raises NotImplementedError.
     """
+    run_keys(run, ('source', 'widths', 'batch_size', 'steps', 'lr', 'optimizers'))
     warnings.filterwarnings('ignore', category=FutureWarning)   # older collective names, if a student uses them
     try:
         Zero1 = _load(run['source']).Zero1
@@ -125,7 +128,6 @@ def check_zero1(source, procs=2, tol=1e-5, steps=3):
     the unsharded optimiser's, within 10 %. A file whose gaps still raise
     NotImplementedError prints "not built yet", not a traceback.
     """
-    from comp_perf.processes import launch
     run = dict(source=str(source), widths=[16, 32, 8], batch_size=32, steps=steps, lr=1e-2,
                optimizers=('Adam', 'SGD'))
     try:

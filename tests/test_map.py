@@ -17,7 +17,7 @@ MAP = ROOT / 'common.py'
 # A group's header, one short line of one shape: '# 04 Hardware — cache steps, compiled C, GPU datasheets'.
 HEADER = re.compile(r'# (\d\d) (\S.*?) — \S')
 HEADER_LENGTH = 100          # characters: a line of contents, not a paragraph
-LARGEST_MODULE = 500         # lines
+LARGEST_MODULE = 500         # lines, of a module of the package or a tool
 
 
 def section_sources():
@@ -248,6 +248,12 @@ def test_modules_are_small_and_say_what_they_serve():
         doc = ast.get_docstring(ast.parse(text)) or ''
         assert len(doc) > 40, f'{path.name}: a docstring that says what the module serves'
         assert len(text.splitlines()) <= LARGEST_MODULE, f'{path.name} has grown past {LARGEST_MODULE} lines'
+
+
+def test_tools_are_small():
+    for path in sorted((ROOT / 'tools').glob('*.py')):
+        assert len(path.read_text(encoding='utf-8').splitlines()) <= LARGEST_MODULE, \
+            f'tools/{path.name} has grown past {LARGEST_MODULE} lines: split it along its jobs'
 
 
 def test_no_hand_kept_note_says_where_a_name_is_used():

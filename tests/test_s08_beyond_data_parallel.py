@@ -1,11 +1,13 @@
-"""Section 08: memory, sharded, tensor and pipeline parallelism (comp_perf/s08_beyond_data_parallel.py)."""
+"""Section 08: memory (comp_perf/s08_memory.py), sharded, tensor and pipeline parallelism
+(comp_perf/s08_beyond_data_parallel.py)."""
 
 import pytest
 import torch
 from notebook_code import definitions
 
 import common
-from comp_perf.s08_beyond_data_parallel import local_bytes, pipeline_model, pipeline_stage_part
+from comp_perf.s08_beyond_data_parallel import pipeline_model, pipeline_stage_part
+from comp_perf.s08_memory import local_bytes
 
 
 @pytest.fixture(scope='module')

@@ -44,23 +44,39 @@ def test_gpu_precision_sees_a_data_parallel_step_that_loses_an_example(gpu_preci
     assert gaps['cpu', 'full fp32'] > common.step_tolerance(torch.float32, 'cpu')
 
 
-# ---- tools/gpu_smoke.py: the decisions it makes before and between notebooks
+# ---- tools/gpu_smoke.py and the files it runs on (gpu_runner, gpu_facts, gpu_kit): the decisions
+# it makes before and between notebooks
 
 @pytest.fixture(scope='module')
 def gpu_smoke():
     return _tool('gpu_smoke')
 
 
-def test_gpu_smoke_cuts_cell_limits_to_the_hard_stop(gpu_smoke):
-    assert gpu_smoke.cell_limit(100, 90) == 90                     # no hard stop: the cell timeout
-    assert gpu_smoke.cell_limit(100, 90, hard_stop=540) == 90
-    assert gpu_smoke.cell_limit(500, 90, hard_stop=540) == 40      # what is left
-    assert gpu_smoke.cell_limit(539.5, 90, hard_stop=540) == 1     # never 0: nbclient reads 0 as no limit
-    assert gpu_smoke.cell_limit(600, 90, hard_stop=540) == 1
+@pytest.fixture(scope='module')
+def gpu_runner():
+    return _tool('gpu_runner')
 
 
-def test_gpu_smoke_starts_a_notebook_only_with_time_left(gpu_smoke):
-    plan = gpu_smoke.notebook_plan
+@pytest.fixture(scope='module')
+def gpu_facts():
+    return _tool('gpu_facts')
+
+
+@pytest.fixture(scope='module')
+def gpu_kit():
+    return _tool('gpu_kit')
+
+
+def test_gpu_smoke_cuts_cell_limits_to_the_hard_stop(gpu_runner):
+    assert gpu_runner.cell_limit(100, 90) == 90                     # no hard stop: the cell timeout
+    assert gpu_runner.cell_limit(100, 90, hard_stop=540) == 90
+    assert gpu_runner.cell_limit(500, 90, hard_stop=540) == 40      # what is left
+    assert gpu_runner.cell_limit(539.5, 90, hard_stop=540) == 1     # never 0: nbclient reads 0 as no limit
+    assert gpu_runner.cell_limit(600, 90, hard_stop=540) == 1
+
+
+def test_gpu_smoke_starts_a_notebook_only_with_time_left(gpu_runner):
+    plan = gpu_runner.notebook_plan
     assert plan(0, startup_timeout=120) == (120, None)
     assert plan(100, hard_stop=540, startup_timeout=120) == (120, None)
     assert plan(480, hard_stop=540, startup_timeout=120) == (60, None)   # start-up capped by what is left
@@ -72,24 +88,24 @@ def test_gpu_smoke_starts_a_notebook_only_with_time_left(gpu_smoke):
     assert plan(419, budget=420)[0] == 120
 
 
-def test_gpu_smoke_counts_from_the_outer_commands_start(gpu_smoke, tmp_path):
+def test_gpu_smoke_counts_from_the_outer_commands_start(gpu_runner, tmp_path):
     import argparse
     import time
     args = argparse.Namespace(started_at=time.time() - 100)
-    assert 99 < gpu_smoke.Runner(args, tmp_path).elapsed() < 110
-    assert gpu_smoke.Runner(argparse.Namespace(started_at=None), tmp_path).elapsed() < 5
+    assert 99 < gpu_runner.Runner(args, tmp_path).elapsed() < 110
+    assert gpu_runner.Runner(argparse.Namespace(started_at=None), tmp_path).elapsed() < 5
 
 
-def test_gpu_smoke_kit_is_pinned_once_and_closed(gpu_smoke):
+def test_gpu_smoke_kit_is_pinned_once_and_closed(gpu_kit):
     from importlib import metadata
 
     from packaging.requirements import Requirement
-    lines = [line.split('#')[0].strip() for line in gpu_smoke.KIT_FILE.read_text().splitlines()]
+    lines = [line.split('#')[0].strip() for line in gpu_kit.KIT_FILE.read_text().splitlines()]
     lines = [line for line in lines if line]
-    kit = gpu_smoke.read_kit()
+    kit = gpu_kit.read_kit()
     assert len(kit) == len(lines) and all('==' in line for line in lines)   # every name once, pinned
     assert {'nbclient', 'nbformat', 'ipykernel', 'jupyter-client', 'ipywidgets'} <= set(kit)
-    known = set(kit) | {gpu_smoke.canonical(n) for n in gpu_smoke.KIT_ASSUMED + gpu_smoke.KIT_LEFT_OUT}
+    known = set(kit) | {gpu_kit.canonical(n) for n in gpu_kit.KIT_ASSUMED + gpu_kit.KIT_LEFT_OUT}
     python312 = {'python_version': '3.12', 'python_full_version': '3.12.3', 'sys_platform': 'linux',
                  'platform_system': 'Linux', 'platform_machine': 'x86_64', 'os_name': 'posix',
                  'implementation_name': 'cpython', 'platform_python_implementation': 'CPython',
@@ -105,14 +121,14 @@ def test_gpu_smoke_kit_is_pinned_once_and_closed(gpu_smoke):
         checked += 1
         for text in dist.requires or []:
             req = Requirement(text)
-            if (not req.marker or req.marker.evaluate(python312)) and gpu_smoke.canonical(req.name) not in known:
+            if (not req.marker or req.marker.evaluate(python312)) and gpu_kit.canonical(req.name) not in known:
                 unlisted.setdefault(name, []).append(str(req))
     assert checked >= len(kit) // 2, 'too few kit packages installed here at the pinned version to check'
     assert unlisted == {}
 
 
-def test_gpu_smoke_kit_command_asks_for_cp312_wheels_only(gpu_smoke, tmp_path):
-    cmd = gpu_smoke.kit_command(tmp_path / 'kit', tmp_path / 'kit.txt', python='python3')
+def test_gpu_smoke_kit_command_asks_for_cp312_wheels_only(gpu_kit, tmp_path):
+    cmd = gpu_kit.kit_command(tmp_path / 'kit', tmp_path / 'kit.txt', python='python3')
     assert cmd[:4] == ['python3', '-m', 'pip', 'download']
     pairs = dict(zip(cmd, cmd[1:]))
     assert pairs['--python-version'] == '3.12' and pairs['--abi'] == 'cp312'
@@ -121,7 +137,7 @@ def test_gpu_smoke_kit_command_asks_for_cp312_wheels_only(gpu_smoke, tmp_path):
     assert 'manylinux2014_x86_64' in cmd and 'manylinux_2_28_x86_64' in cmd
 
 
-def test_gpu_smoke_make_kit_keeps_one_wheel_per_pin(gpu_smoke, tmp_path, monkeypatch, capsys):
+def test_gpu_smoke_make_kit_keeps_one_wheel_per_pin(gpu_kit, tmp_path, monkeypatch, capsys):
     import subprocess
     from types import SimpleNamespace
 
@@ -136,33 +152,43 @@ def test_gpu_smoke_make_kit_keeps_one_wheel_per_pin(gpu_smoke, tmp_path, monkeyp
         (dest / 'nest_asyncio2-1.7.4-py3-none-any.whl').write_bytes(b'new')
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(gpu_smoke, 'subprocess', SimpleNamespace(run=fake_pip))
-    assert gpu_smoke.make_kit(dest, kit) == 0
+    monkeypatch.setattr(gpu_kit, 'subprocess', SimpleNamespace(run=fake_pip))
+    assert gpu_kit.make_kit(dest, kit) == 0
     assert sorted(p.name for p in dest.iterdir()) == ['nbclient-0.11.0-py3-none-any.whl',
                                                       'nest_asyncio2-1.7.4-py3-none-any.whl']
     (dest / 'nest_asyncio2-1.7.4-py3-none-any.whl').unlink()
-    monkeypatch.setattr(gpu_smoke, 'subprocess', SimpleNamespace(run=lambda cmd: subprocess.CompletedProcess(cmd, 1)))
-    assert gpu_smoke.make_kit(dest, kit) == 1
+    monkeypatch.setattr(gpu_kit, 'subprocess', SimpleNamespace(run=lambda cmd: subprocess.CompletedProcess(cmd, 1)))
+    assert gpu_kit.make_kit(dest, kit) == 1
     assert "missing: ['nest-asyncio2']" in capsys.readouterr().out
 
 
-def test_gpu_smoke_knows_which_notebooks_read_fashion_mnist(gpu_smoke):
-    reading = {p.name[:2] for p in sorted((ROOT / 'notebooks' / 'en').glob('0*.ipynb')) if gpu_smoke.reads_data(p)}
+def test_gpu_smoke_knows_which_notebooks_read_fashion_mnist(gpu_facts):
+    reading = {p.name[:2] for p in sorted((ROOT / 'notebooks' / 'en').glob('0*.ipynb')) if gpu_facts.reads_data(p)}
     assert reading == {'00', '05', '06', '07', '09'}
 
 
-def test_gpu_smoke_stops_before_the_run_without_kit_or_data(gpu_smoke):
+def test_gpu_smoke_stops_before_the_run_without_kit_or_data(gpu_facts):
     en = ROOT / 'notebooks' / 'en'
     chosen = [('02', en / '02-asynchronous-computation.ipynb'), ('05', en / '05-multi-gpu-from-scratch.ipynb')]
     data = {'fashion_mnist': '/somewhere/fashion-mnist'}
-    assert gpu_smoke.preflight(chosen, data, {}) == ([], False)
-    notes, fatal = gpu_smoke.preflight(chosen, data, {'nbclient': 'ModuleNotFoundError: nbclient'})
+    assert gpu_facts.preflight(chosen, data, {}) == ([], False)
+    notes, fatal = gpu_facts.preflight(chosen, data, {'nbclient': 'ModuleNotFoundError: nbclient'})
     assert fatal and '--make-kit' in notes[0]
-    notes, fatal = gpu_smoke.preflight(chosen, data, {'ipywidgets': 'ModuleNotFoundError: ipywidgets'})
+    notes, fatal = gpu_facts.preflight(chosen, data, {'ipywidgets': 'ModuleNotFoundError: ipywidgets'})
     assert not fatal and 'ipywidgets' in notes[0]                  # only its cells fail
-    notes, fatal = gpu_smoke.preflight(chosen, {'fashion_mnist': None}, {})
+    notes, fatal = gpu_facts.preflight(chosen, {'fashion_mnist': None}, {})
     assert fatal and '05' in notes[0] and 'data/fashion-mnist' in notes[0]
-    assert gpu_smoke.preflight(chosen[:1], {'fashion_mnist': None}, {}) == ([], False)   # 02 needs no data
+    assert gpu_facts.preflight(chosen[:1], {'fashion_mnist': None}, {}) == ([], False)   # 02 needs no data
+
+
+@pytest.mark.procs
+def test_gpu_facts_child_program_reports_imports_and_torch(gpu_facts):
+    # both run tools/gpu_facts.py in a subprocess, as the smoke run does before any notebook
+    assert gpu_facts.import_failures(['json', 'no_such_module_here']) == \
+        {'no_such_module_here': "ModuleNotFoundError: No module named 'no_such_module_here'"}
+    facts = gpu_facts.machine_facts()
+    assert facts['torch'] == torch.__version__ and 'torch_error' not in facts
+    assert facts['cuda_available'] == torch.cuda.is_available() and 'nbclient' in facts['kit']
 
 
 @pytest.mark.procs
