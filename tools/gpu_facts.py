@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the GPU smoke run learns of the machine before it starts, and whether that is enough.
 
-Imported (by tools/gpu_runner.py and tools/gpu_smoke.py): machine_facts() and
+As a module: machine_facts() and
 import_failures() run this same file as a child program, so that a torch that
 crashes or hangs on import cannot take the runner with it, and read the one JSON
 line it prints; preflight() decides whether the chosen notebooks can run at all.
