@@ -11,16 +11,8 @@ from comp_perf.fashion_mnist import fashion_mnist_datasets
 from comp_perf.processes import run_keys
 from comp_perf.s05_data_parallel import LENET_SHAPES, batch_indices, lenet, lenet_params
 from comp_perf.s07_parameter_server import ps_process, shard_keys
-from comp_perf.s07_ps_messages import (
-    PS_RUN_KEYS,
-    inject_fault,
-    ps_receive,
-    ps_send,
-    ps_servers,
-    ps_start_sends,
-    ps_test,
-    ps_wait,
-)
+from comp_perf.s07_ps_messages import (PS_RUN_KEYS, inject_fault, ps_receive, ps_send, ps_servers,
+                                       ps_start_sends, ps_test, ps_wait)
 
 
 def ps_async_process(rank, world_size, run):

@@ -12,24 +12,9 @@ import torch.distributed as dist
 
 from comp_perf.fashion_mnist import fashion_mnist_datasets
 from comp_perf.processes import run_keys
-from comp_perf.s05_data_parallel import (
-    LENET_SHAPES,
-    batch_indices,
-    lenet,
-    lenet_params,
-)
-from comp_perf.s07_ps_messages import (
-    PS_RUN_KEYS,
-    inject_fault,
-    ps_receive,
-    ps_send,
-    ps_servers,
-    ps_start_sends,
-    ps_test,
-    ps_wait,
-    resume_step,
-    save_checkpoint,
-)
+from comp_perf.s05_data_parallel import LENET_SHAPES, batch_indices, lenet, lenet_params
+from comp_perf.s07_ps_messages import (PS_RUN_KEYS, inject_fault, ps_receive, ps_send, ps_servers,
+                                       ps_start_sends, ps_test, ps_wait, resume_step, save_checkpoint)
 
 
 class KVStore:
