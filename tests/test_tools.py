@@ -1,5 +1,7 @@
 """The maintainers' tools: their code paths run here on the CPU."""
 import importlib.util
+import os
+import signal
 
 import pytest
 import torch
@@ -192,8 +194,18 @@ def test_gpu_facts_child_program_reports_imports_and_torch(gpu_facts):
 
 
 @pytest.mark.procs
-def test_gpu_smoke_interrupts_a_cell_past_its_limit_and_keeps_its_traceback(gpu_smoke, tmp_path, capsys):
+def test_gpu_smoke_interrupts_a_cell_past_its_limit_and_keeps_its_traceback(gpu_smoke, tmp_path, capsys,
+                                                                           monkeypatch):
     import json
+    # The run points Jupyter and IPython at its scratch folder through os.environ (it is a
+    # command of its own); undo that here, or later kernels of this pytest look in a deleted folder.
+    for name in ('JUPYTER_PATH', 'JUPYTER_RUNTIME_DIR', 'IPYTHONDIR', 'PYDEVD_DISABLE_FILE_VALIDATION',
+                 'MPLCONFIGDIR', 'MPLBACKEND'):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.setenv(name, '')   # recorded as unset, so that undoing it removes it again
+            monkeypatch.delenv(name)
     nbformat = pytest.importorskip('nbformat')
     pytest.importorskip('nbclient')
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
@@ -202,7 +214,11 @@ def test_gpu_smoke_interrupts_a_cell_past_its_limit_and_keeps_its_traceback(gpu_
     path = tmp_path / 'stuck.ipynb'
     nbformat.write(nb, path)
     out = tmp_path / 'out'
-    assert gpu_smoke.main(['--out', str(out), '--notebook-path', str(path), '--cell-timeout', '3']) == 0
+    on_sigterm = signal.getsignal(signal.SIGTERM)   # the run installs its own handler
+    try:
+        assert gpu_smoke.main(['--out', str(out), '--notebook-path', str(path), '--cell-timeout', '3']) == 0
+    finally:
+        signal.signal(signal.SIGTERM, on_sigterm)
     rec = json.loads((out / 'summary.json').read_text())['notebooks']['stuck']
     assert rec['status'] == 'timeout' and rec['not_run'] == [2]      # the timeout ended the notebook
     [error] = rec['errors']
