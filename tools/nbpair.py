@@ -212,7 +212,7 @@ def strip_comments(src):
     skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
     lines = src.splitlines()
     if _cell_language(lines) == 'c':
-        code = (line if _c_comment_start(line) is None else line[:_c_comment_start(line)] for line in lines)
+        code = (line[:_c_comment_start(line)] for line in lines)   # [:None]: a line without a comment
         return ' '.join(part.strip() for part in code if part.strip())
     python = '\n'.join(repr(line.strip()) if line.lstrip().startswith(MAGIC) else line for line in lines)
     try:
