@@ -112,3 +112,10 @@ def test_code_in_the_chinese_prose_has_chinese_comments(src):
                 comment = lines[i][col:]
                 assert CJK.search(comment) or not nbpair.needs_chinese(comment), \
                     f'{src.name}, markdown cell at line {cell["line"]}: {comment}'
+
+
+def test_c_code_is_compared_without_its_comments_but_not_without_its_code():
+    c = '%%writefile demo.c\nint x = 1;  // one\n'
+    assert nbpair.strip_comments(c) == nbpair.strip_comments('%%writefile demo.c\nint x = 1;  // 一\n')
+    assert nbpair.strip_comments(c) != nbpair.strip_comments('%%writefile demo.c\nint x = 2;  // one\n')
+    assert nbpair.strip_comments(c) != nbpair.strip_comments('%%writefile demo.c\nint x = 1;  "// one"\n')
