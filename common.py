@@ -76,6 +76,9 @@ from comp_perf.s08_zero_by_hand import Zero1, check_zero1
 from comp_perf.s08_fsdp_timeline import fsdp_timeline, plot_fsdp_timeline
 from comp_perf.s08_combining import draw_mesh_2d, mesh_2d_training, plan_estimate, plot_plan_memory
 
-# 09 Make one training step fast — augmented images for DataLoader workers, step timing
-from comp_perf.s09_training_step import AugmentedImages, timed_steps
-
+# 09 Make one training step fast — profiler readings, interleaved timing, peaks, the build
+from comp_perf.measure import interleaved, paired_ratio, noise_verdict
+from comp_perf.s09_training_step import (PHASES, wait_for_device, trace_spans, phase_shares, top_operator,
+                                         self_time_share, calls_per_step, input_types, step_peak_bytes,
+                                         matmul_peak, datasheet_peak, print_rows, plot_payoff)
+from comp_perf.s09_faster_step import slow_step, check_faster_step, fast_step

@@ -28,10 +28,11 @@ DISCUSSION_MINUTES = 5
 MATERIAL_MINUTES = LECTURE_MINUTES - QUIZ_MINUTES - DISCUSSION_MINUTES   # 75
 
 Part = namedtuple('Part', 'stem first last')
-# homework: ((section, exercise number), ...); merges: the lectures of the nine a cut lecture joins
+# homework: ((section, exercise number or BUILD), ...); merges: the lectures of the nine a cut lecture joins
 Lecture = namedtuple('Lecture', 'number parts homework merges', defaults=((),))
 
 _CLOSING = {'Summary', 'Exercises', '小结', '练习'}
+BUILD = 'build'   # a section's "Build it" part, the piece its check grades, as homework
 
 LECTURES = [
     Lecture(1, [Part('00-start-here', 'How to run the course', 'Course map'),
@@ -56,7 +57,7 @@ LECTURES = [
             homework=(('08', 1), ('08', 2), ('08', 3))),
     Lecture(9, [Part('08-beyond-data-parallelism', 'Choosing', 'Summary'),
                 Part('09-one-training-step', 'The model and its cost', 'Summary')],
-            homework=(('09', 1), ('09', 2), ('09', 3))),
+            homework=(('09', BUILD), ('09', 1), ('09', 3))),
 ]
 
 # The six-lecture cut: lectures of the nine merged, these sections dropped (shown from the
@@ -74,7 +75,8 @@ CUT_DROPS = [
     ('07-parameter-servers', 'The key–value store'),
     ('07-parameter-servers', 'A parameter server over real processes'),
     ('07-parameter-servers', 'When a process dies'),
-    ('09-one-training-step', 'Memory for time'),
+    ('09-one-training-step', 'Memory, not only time'),
+    ('09-one-training-step', 'The toolkit on the fast step'),
 ]
 
 SIX_LECTURES = [
@@ -102,9 +104,9 @@ SIX_LECTURES = [
                      'Sharded data parallelism: the parameter server inside data parallelism')],
             homework=(('07', 1), ('07', 4), ('08', 1)), merges=(7, 8)),
     Lecture(6, [Part('08-beyond-data-parallelism', 'Tensor parallelism: splitting one layer', 'Summary'),
-                Part('09-one-training-step', 'The model and its cost', 'Compilation'),
-                Part('09-one-training-step', 'The scorecard', 'Summary')],
-            homework=(('08', 3), ('09', 1), ('09', 3)), merges=(8, 9)),
+                Part('09-one-training-step', 'The model and its cost', 'The payoff, measured fairly'),
+                Part('09-one-training-step', 'Build it: a faster step of your own', 'Summary')],
+            homework=(('08', 3), ('09', BUILD), ('09', 1)), merges=(8, 9)),
 ]
 
 
@@ -161,6 +163,11 @@ def lecture_load(notebooks, lecture):
     return result
 
 
+def has_build(cells):
+    """Whether a notebook has a `## … Build it` (动手实现) part, whose piece a check grades."""
+    return any(name.startswith(('Build it', '动手实现')) for _, name in headings(cells))
+
+
 def exercise_numbers(cells):
     """Numbers of the exercises in a notebook's Exercises cell (the items before the first solution)."""
     for cell in cells:
@@ -209,7 +216,10 @@ def plan_problems(english, chinese, lectures, drops=()):
                                 f'quiz ({QUIZ_MINUTES} min) and discussion ({DISCUSSION_MINUTES} min)')
         for section, number in lecture.homework:
             stem = by_section.get(section)
-            if stem is None or number not in exercise_numbers(english[stem]) \
+            if number == BUILD:
+                if stem is None or not has_build(english[stem]) or not has_build(chinese.get(stem, [])):
+                    problems.append(f'lecture {lecture.number}: homework {section} build does not exist')
+            elif stem is None or number not in exercise_numbers(english[stem]) \
                     or number not in exercise_numbers(chinese.get(stem, [])):
                 problems.append(f'lecture {lecture.number}: homework {section} ex. {number} does not exist')
     for stem, name in drops:

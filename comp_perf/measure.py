@@ -208,3 +208,58 @@ def covered_seconds(spans, lo=-float('inf'), hi=float('inf')):
         if end > start:
             total, reach = total + end - start, end
     return total
+
+
+def interleaved(variants, rounds=7, warmup=1, device=None):
+    """Time several variants in turns (A, B, C, A, B, C, ...) and return {name: [seconds per call]}.
+
+    `variants` maps a name to a function of no arguments. Each round calls every
+    variant once, so that a machine that gets busier or quieter during the run
+    slows or speeds all of them alike; the `warmup` rounds are dropped. The
+    device is synchronised before and after each call (a no-op on the CPU).
+    """
+    if not variants:
+        raise ValueError('interleaved() needs at least one variant.')
+    for name, value in (('rounds', rounds), ('warmup', warmup)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == 'rounds' else 0):
+            raise ValueError(f'{name} must be a whole number (rounds >= 1, warmup >= 0), got {value!r}.')
+    times = {name: [] for name in variants}
+    for i in range(warmup + rounds):
+        for name, fn in variants.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def paired_ratio(slow, fast):
+    """(median, low, high) of the per-round ratios slow[i] / fast[i] of two interleaved timings.
+
+    low and high are the lower and upper quartiles: the spread of the ratio in
+    this run. A ratio is compared round by round, so a slow patch of the machine
+    that hit both variants of a round cancels out.
+    """
+    if len(slow) != len(fast) or not slow:
+        raise ValueError(f'need two equally long, non-empty timings, got {len(slow)} and {len(fast)}.')
+    ratios = np.array(slow) / np.array(fast)
+    low, median, high = np.percentile(ratios, [25, 50, 75])
+    return float(median), float(low), float(high)
+
+
+def noise_verdict(what, slow, fast, cases):
+    """verdict() for the speed-up slow/fast of two interleaved timings, or 'within the noise of this run'.
+
+    When the quartiles of the per-round ratio straddle 1, this run cannot tell
+    the two apart, and the verdict says so instead of naming a winner; else the
+    median ratio picks one of `cases` as verdict() does. The printed number
+    shows the median and its spread.
+    """
+    median, low, high = paired_ratio(slow, fast)
+    shown = tr('{m:.2f}× (quartiles {lo:.2f}–{hi:.2f})', m=median, lo=low, hi=high)
+    if low <= 1 <= high:
+        return verdict(what, median, [(math.inf, 'noise', 'within the noise of this run: it cannot tell the two '
+                                                        'apart')], shown=shown)
+    return verdict(what, median, cases, shown=shown)

@@ -1,62 +1,146 @@
-"""Section 09, one training step made fast: the augmented image dataset its DataLoader
-workers run (a worker process must be able to import it), and the timing of a step.
+"""Section 09, one training step made fast: what the page reads from the profiler (operator tables,
+calls per step, the phases and the memory of an exported trace), a matrix-multiply peak in each
+dtype, and the payoff chart.
 """
-import math
-import time
+import json
+from pathlib import Path
 
 import torch
-from torch.nn import functional as F
+
+from comp_perf.language import pad, tr
+from comp_perf.machine import usable_cores
+from comp_perf.measure import measure, synchronize
+from comp_perf.s04_hardware import cpu_facts, gpu_datasheet
+
+PHASES = ('data', 'forward', 'backward', 'optimizer step')
 
 
-class AugmentedImages(torch.utils.data.Dataset):
-    """Images with a random affine distortion applied per sample, as an input pipeline does.
+def operator_rows(prof, group_by_input_shape=False):
+    """The profiler's operator rows (key_averages), without the record_function phases, largest self time first."""
+    rows = prof.key_averages(group_by_input_shape=group_by_input_shape)
+    rows = [row for row in rows if row.key not in PHASES and row.key != 'ProfilerStep*'
+            and not row.key.startswith('ProfilerStep')]
+    return sorted(rows, key=lambda row: row.self_cpu_time_total, reverse=True)
 
-    Each __getitem__ rotates, scales and shifts one image with affine_grid and
-    grid_sample, `passes` times over (the cost a real decode and augmentation
-    would have), from a generator seeded by (seed, index): a sample is the same
-    in the main process and in any worker.
+
+def self_time_share(prof, names):
+    """Share of all operators' self CPU time spent in the operators called `names` (a name or a tuple)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    rows = operator_rows(prof)
+    total = sum(row.self_cpu_time_total for row in rows)
+    return sum(row.self_cpu_time_total for row in rows if row.key in names) / max(total, 1e-12)
+
+
+def calls_per_step(prof, name, steps):
+    """How often the operator `name` ran per recorded step."""
+    return sum(row.count for row in prof.key_averages() if row.key == name) / steps
+
+
+def top_operator(prof):
+    """(name, share of the self CPU time) of the operator that took the most self time."""
+    top = operator_rows(prof)[0]
+    return top.key, self_time_share(prof, top.key)
+
+
+def input_types(prof, name):
+    """{dtype tuple: calls} of the operator `name`, as the profiler recorded them (record_shapes=True)."""
+    seen = {}
+    for event in prof.events():
+        if event.name == name:
+            key = tuple(t for t in event.input_dtypes if t)
+            seen[key] = seen.get(key, 0) + 1
+    return seen
+
+
+def trace_spans(trace_file, phases=PHASES):
+    """(phase, start s, end s, '') spans of the named phases, read back from an exported Chrome trace."""
+    events = [e for e in json.loads(Path(trace_file).read_text())['traceEvents']
+              if e.get('ph') == 'X' and e.get('cat') == 'user_annotation' and e['name'] in phases]
+    if not events:
+        raise ValueError(f'{trace_file} holds none of the phases {phases}: was the step profiled with them?')
+    start = min(e['ts'] for e in events)
+    return [(e['name'], (e['ts'] - start) / 1e6, (e['ts'] + e['dur'] - start) / 1e6, '') for e in events]
+
+
+def phase_shares(spans, phases=PHASES):
+    """{phase: share of the time covered by all phases}, from trace_spans()."""
+    seconds = {p: sum(end - start for lane, start, end, _ in spans if lane == p) for p in phases}
+    total = sum(seconds.values())
+    return {p: s / max(total, 1e-12) for p, s in seconds.items()}
+
+
+def step_peak_bytes(trace_file):
+    """Largest memory the profiled steps allocated above what was allocated when recording began.
+
+    The profiler's '[memory]' events (profile_memory=True) carry a running total of
+    the bytes allocated while it records; tensors made before it started are not
+    in it, so this is the step's own peak, not the process's.
     """
-
-    def __init__(self, images, labels, passes=4, seed=0):
-        if images.dim() != 4 or len(images) != len(labels):
-            raise ValueError(f'need N×C×H×W images and N labels, got {tuple(images.shape)} and {len(labels)}.')
-        if passes < 1:
-            raise ValueError(f'passes must be at least 1, got {passes}.')
-        self.images, self.labels, self.passes, self.seed = images, labels, passes, seed
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        x = self.images[i:i + 1]
-        for _ in range(self.passes):
-            angle = (torch.rand(1, generator=g).item() - 0.5) * math.radians(20)
-            scale = 0.9 + 0.2 * torch.rand(1, generator=g).item()
-            shift = (torch.rand(2, generator=g) - 0.5) * 0.1
-            theta = torch.tensor([[scale * math.cos(angle), -scale * math.sin(angle), shift[0]],
-                                  [scale * math.sin(angle), scale * math.cos(angle), shift[1]]]).unsqueeze(0)
-            grid = F.affine_grid(theta, x.shape, align_corners=False)
-            x = F.grid_sample(x, grid, align_corners=False, padding_mode='zeros')
-        return x[0], self.labels[i]
+    events = [e['args'] for e in json.loads(Path(trace_file).read_text())['traceEvents']
+              if e.get('name') == '[memory]']
+    if not events:
+        raise ValueError(f'{trace_file} has no memory events: profile with profile_memory=True.')
+    before = events[0]['Total Allocated'] - events[0]['Bytes']   # allocated just before the first event
+    return max(e['Total Allocated'] for e in events) - before
 
 
-def timed_steps(step, batches, steps, warmup=2):
-    """Run step(X, y) on `steps` batches after `warmup`; return (median step s, median wait-for-data s).
+def matmul_peak(dtype, device):
+    """FLOP/s of one large matrix product in `dtype` on `device`: the measured peak a row of that dtype is held to.
 
-    The wait is the time next(batches) takes: with DataLoader workers it is what
-    the step waits for data the workers have not prepared yet.
+    4096² on a GPU (a 1024² product leaves most of a large GPU idle), 1024² on a CPU.
     """
-    totals, waits = [], []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        X, y = next(batches)
-        got = time.perf_counter()
-        step(X, y)
-        end = time.perf_counter()
-        if i >= warmup:
-            totals.append(end - start)
-            waits.append(got - start)
-    totals.sort()
-    waits.sort()
-    return totals[len(totals) // 2], waits[len(waits) // 2]
+    n = 4096 if torch.device(device).type == 'cuda' else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n ** 3 / measure(lambda: a @ a, device=None)
+
+
+def cpu_theoretical_peak(cpu, dtype, cores):
+    """04's estimate, cores × clock × lanes × 2 (FMA) × 2 FMA units, for fp32 and fp64; None where unknown.
+
+    No estimate is made for 16-bit types: their rate depends on units (AVX-512 BF16,
+    AMX) whose throughput the operating system does not report.
+    """
+    width = {torch.float32: 32, torch.float64: 64}.get(dtype)
+    if not (width and cpu.get('clock_ghz') and cpu.get('vector_bits')):
+        return None
+    return cores * cpu['clock_ghz'] * 1e9 * cpu['vector_bits'] / width * 2 * 2
+
+
+def wait_for_device(device):
+    """Synchronise `device` when it is a GPU: a profiled or timed phase then ends when its kernels end."""
+    if torch.device(device).type == 'cuda':
+        synchronize(device)
+
+
+def plot_payoff(names, seconds, mfu, title):
+    """Bars of step time per variant (first draft on top) with each bar's MFU written beside it."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 0.7 + 0.42 * len(names)))
+    ms = [s * 1e3 for s in seconds]
+    ax.barh(range(len(names)), ms, color=['tab:red'] + ['tab:blue'] * (len(names) - 2) + ['tab:green'])
+    for row, (value, share) in enumerate(zip(ms, mfu)):
+        ax.text(value, row, '  ' + tr('MFU {m:.0%}', m=share) if share is not None else '', va='center', fontsize=8)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(ms) * 1.25)
+    ax.set(xlabel=tr('ms per step (median of the interleaved rounds)'), title=title)
+    fig.tight_layout()
+    return ax
+
+
+def print_rows(rows, widths):
+    """Print a table's rows, each cell padded to its display width (Chinese lines up too)."""
+    for row in rows:
+        print('  '.join(pad(cell, width, right=i > 0) for i, (cell, width) in enumerate(zip(row, widths))))
+
+
+
+def datasheet_peak(dtype, device):
+    """The peak FLOP/s a datasheet gives for products in `dtype`: a GPU's row of GPU_DATASHEETS, else 04's CPU
+    estimate; None where neither has one (float64 on a GPU, 16-bit types on a CPU, an unlisted GPU)."""
+    device = torch.device(device)
+    if device.type == 'cuda':
+        row = gpu_datasheet(torch.cuda.get_device_name(device)) or {}
+        key = {torch.float32: 'fp32', torch.bfloat16: 'bf16', torch.float16: 'bf16'}.get(dtype)
+        return row[key] * 1e12 if key and row.get(key) else None
+    return cpu_theoretical_peak(cpu_facts(), dtype, min(cpu_facts()['cores'], usable_cores()))

@@ -161,19 +161,26 @@ def test_an_overfull_cut_lecture_is_found(stored_en, stored_zh):
 
 
 def test_homework_that_does_not_exist_is_found(stored_en, stored_zh):
-    broken = _replace(lp.LECTURES, 9, homework=(('09', 1), ('09', 7)))
-    assert lp.plan_problems(stored_en, stored_zh, broken) == ['lecture 9: homework 09 ex. 7 does not exist']
+    broken = _replace(lp.LECTURES, 9, homework=(('09', 1), ('09', 17)))
+    assert lp.plan_problems(stored_en, stored_zh, broken) == ['lecture 9: homework 09 ex. 17 does not exist']
+    broken = _replace(lp.LECTURES, 8, homework=(('08', 1), ('07', lp.BUILD)))   # 07 has no build
+    assert lp.plan_problems(stored_en, stored_zh, broken) == ['lecture 8: homework 07 build does not exist']
 
 
 # --- the guide's prose agrees with the plan ----------------------------------------------------
 
 def homework_text(lecture, lang):
-    """'00 ex. 2 · 01 ex. 1, 3' (en) or '00 练习 2 · 01 练习 1、3' (zh), in the plan's order."""
+    """'00 ex. 2 · 09 build, ex. 1, 3' (en) or '00 练习 2 · 09 动手实现、练习 1、3' (zh), in the plan's order."""
     sections = {}
     for section, number in lecture.homework:
-        sections.setdefault(section, []).append(str(number))
-    word, comma = ('ex.', ', ') if lang == 'en' else ('练习', '、')
-    return ' · '.join(f'{s} {word} {comma.join(ns)}' for s, ns in sections.items())
+        sections.setdefault(section, []).append(number)
+    word, comma, build = ('ex.', ', ', 'build') if lang == 'en' else ('练习', '、', '动手实现')
+    texts = []
+    for s, items in sections.items():
+        numbers = comma.join(str(n) for n in items if n != lp.BUILD)
+        parts = ([build] if lp.BUILD in items else []) + ([f'{word} {numbers}'] if numbers else [])
+        texts.append(f'{s} {comma.join(parts)}')
+    return ' · '.join(texts)
 
 
 def guide_cells():

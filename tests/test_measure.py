@@ -196,3 +196,52 @@ def test_measure_reports_median_not_first_call():
     median = common.measure(slow_first, 1, min_run_time=0.05)
     assert len(calls) > 3
     assert 0.001 <= median < 0.1  # the 0.2 s first call is the warm-up, not measured
+
+
+def test_interleaved_runs_the_variants_in_turns_and_drops_the_warm_up(monkeypatch):
+    order, waited = [], []
+    monkeypatch.setattr(comp_perf.measure, 'synchronize', lambda device=None: waited.append(device))
+    times = common.interleaved({'a': lambda: order.append('a'), 'b': lambda: order.append('b')},
+                               rounds=3, warmup=2, device='cuda:0')
+    assert order == ['a', 'b'] * 5
+    assert {name: len(seconds) for name, seconds in times.items()} == {'a': 3, 'b': 3}
+    assert waited == ['cuda:0'] * 20            # before and after every call
+    for bad in (dict(rounds=0), dict(warmup=-1), dict(rounds=True), dict(rounds=2.0)):
+        with pytest.raises(ValueError, match='whole number'):
+            common.interleaved({'a': lambda: None}, **bad)
+    with pytest.raises(ValueError, match='at least one'):
+        common.interleaved({})
+
+
+def test_a_busy_patch_hits_both_variants_of_a_round_alike():
+    # the machine gets twice as slow half way: A is always 2× B within a round, whatever the round
+    clock = {'calls': 0}
+
+    def work(units):
+        clock['calls'] += 1
+        time.sleep(0.01 * units * (2 if clock["calls"] > 6 else 1))
+    times = common.interleaved({'slow': lambda: work(2), 'fast': lambda: work(1)}, rounds=6, warmup=0)
+    median, low, high = common.paired_ratio(times['slow'], times['fast'])
+    assert 1.5 < low <= median <= high < 2.6
+
+
+def test_paired_ratio_gives_the_median_and_quartiles_of_the_per_round_ratios():
+    assert common.paired_ratio([2, 4, 6, 8, 10], [1, 1, 1, 1, 1]) == (6.0, 4.0, 8.0)
+    assert common.paired_ratio([3, 3, 3], [1, 3, 1]) == (3.0, 2.0, 3.0)
+    with pytest.raises(ValueError, match='equally long'):
+        common.paired_ratio([1, 2], [1])
+    with pytest.raises(ValueError, match='equally long'):
+        common.paired_ratio([], [])
+
+
+NOISE_CASES = [(0.95, 'slower', 'slower'), (1.1, 'same', 'about the same'), (math.inf, 'faster', 'faster')]
+
+
+def test_noise_verdict_names_no_winner_inside_the_noise(capsys):
+    # quartiles 0.9–1.2 straddle 1: the run cannot tell, even though the median says "faster"
+    assert common.noise_verdict('ratio', [1.2, 0.9, 1.15, 0.8, 1.3], [1, 1, 1, 1, 1], NOISE_CASES) == 'noise'
+    assert 'within the noise of this run' in capsys.readouterr().out
+    assert common.noise_verdict('ratio', [2.0, 2.1, 1.9, 2.2, 2.0], [1, 1, 1, 1, 1], NOISE_CASES) == 'faster'
+    out = capsys.readouterr().out
+    assert '2.00× (quartiles 2.00–2.10)' in out and 'faster' in out
+    assert common.noise_verdict('ratio', [0.5, 0.6, 0.55], [1, 1, 1], NOISE_CASES) == 'slower'   # clearly slower
