@@ -15,20 +15,21 @@ from comp_perf.s04_hardware import cpu_facts, gpu_datasheet
 PHASES = ('data', 'forward', 'backward', 'optimizer step')
 
 
-def operator_rows(prof, group_by_input_shape=False):
-    """The profiler's operator rows (key_averages), without the record_function phases, largest self time first."""
-    rows = prof.key_averages(group_by_input_shape=group_by_input_shape)
-    rows = [row for row in rows if row.key not in PHASES and row.key != 'ProfilerStep*'
-            and not row.key.startswith('ProfilerStep')]
-    return sorted(rows, key=lambda row: row.self_cpu_time_total, reverse=True)
+SELF_CPU = 'self_cpu_time_total'   # what a CPU step's operators cost; on a GPU, 'self_device_time_total'
 
 
-def self_time_share(prof, names):
-    """Share of all operators' self CPU time spent in the operators called `names` (a name or a tuple)."""
+def operator_rows(prof, key=SELF_CPU):
+    """The profiler's operator rows (key_averages), without the record_function phases, largest `key` first."""
+    rows = [row for row in prof.key_averages() if row.key not in PHASES and not row.key.startswith('ProfilerStep')]
+    return sorted(rows, key=lambda row: getattr(row, key), reverse=True)
+
+
+def self_time_share(prof, names, key=SELF_CPU):
+    """Share of all operators' self time (`key`) spent in the operators called `names` (a name or a tuple)."""
     names = (names,) if isinstance(names, str) else tuple(names)
-    rows = operator_rows(prof)
-    total = sum(row.self_cpu_time_total for row in rows)
-    return sum(row.self_cpu_time_total for row in rows if row.key in names) / max(total, 1e-12)
+    rows = operator_rows(prof, key)
+    total = sum(getattr(row, key) for row in rows)
+    return sum(getattr(row, key) for row in rows if row.key in names) / max(total, 1e-12)
 
 
 def calls_per_step(prof, name, steps):
@@ -36,10 +37,10 @@ def calls_per_step(prof, name, steps):
     return sum(row.count for row in prof.key_averages() if row.key == name) / steps
 
 
-def top_operator(prof):
-    """(name, share of the self CPU time) of the operator that took the most self time."""
-    top = operator_rows(prof)[0]
-    return top.key, self_time_share(prof, top.key)
+def top_operator(prof, key=SELF_CPU):
+    """(name, share of the self time) of the operator that took the most self time (`key`)."""
+    top = operator_rows(prof, key)[0]
+    return top.key, self_time_share(prof, top.key, key)
 
 
 def input_types(prof, name):
@@ -69,17 +70,21 @@ def phase_shares(spans, phases=PHASES):
     return {p: s / max(total, 1e-12) for p, s in seconds.items()}
 
 
-def step_peak_bytes(trace_file):
-    """Largest memory the profiled steps allocated above what was allocated when recording began.
+def step_peak_bytes(trace_file, device='cpu'):
+    """Largest memory the profiled steps allocated on `device` above what it held when recording began.
 
     The profiler's '[memory]' events (profile_memory=True) carry a running total of
-    the bytes allocated while it records; tensors made before it started are not
-    in it, so this is the step's own peak, not the process's.
+    the bytes allocated, per device (on the CPU counted from when the profiler
+    started, on a GPU the allocator's own total); the first event's total less its
+    own bytes is the level the step started from, so this is the step's own peak.
     """
+    device = torch.device(device)
+    kind, index = (1, device.index or 0) if device.type == 'cuda' else (0, None)   # kineto: CPU 0, CUDA 1
     events = [e['args'] for e in json.loads(Path(trace_file).read_text())['traceEvents']
-              if e.get('name') == '[memory]']
+              if e.get('name') == '[memory]' and e['args'].get('Device Type', 0) == kind
+              and (index is None or e['args'].get('Device Id') == index)]
     if not events:
-        raise ValueError(f'{trace_file} has no memory events: profile with profile_memory=True.')
+        raise ValueError(f'{trace_file} has no memory events for {device}: profile with profile_memory=True.')
     before = events[0]['Total Allocated'] - events[0]['Bytes']   # allocated just before the first event
     return max(e['Total Allocated'] for e in events) - before
 

@@ -25,7 +25,7 @@ def page():
     ns.update(cfg=types.SimpleNamespace(d=32, heads=2, layers=2, patch=7, batch=8, lr=1e-3),
               device=torch.device('cpu'), images=images, labels=rng.integers(0, 10, 64),
               MEAN=float(images.mean() / 255), STD=float(images.std() / 255),
-              activities=[torch.profiler.ProfilerActivity.CPU])
+              activities=[torch.profiler.ProfilerActivity.CPU], profiling=False)
     return ns
 
 
@@ -127,19 +127,21 @@ def test_autocast_dtype_does_not_count_emulated_bf16(page, monkeypatch):
     assert choose(torch.device('cuda:0')) == torch.float16
 
 
-def test_a_phase_waits_for_the_gpu_only_on_a_gpu(page, monkeypatch):
+def test_a_phase_waits_for_the_gpu_only_while_profiling_on_a_gpu(page, monkeypatch):
     waited = []
     monkeypatch.setattr(s09, 'synchronize', lambda device=None: waited.append(device))
+    monkeypatch.setitem(page, 'profiling', True)
     with page['phase']('data'):
         pass
-    assert waited == []
-    page['device'] = torch.device('cuda:0')
-    try:
-        with page['phase']('data'):
-            pass
-    finally:
-        page['device'] = torch.device('cpu')
-    assert waited == [torch.device('cuda:0')]
+    assert waited == []                                     # a CPU: nothing to wait for
+    monkeypatch.setitem(page, 'device', torch.device('cuda:0'))
+    with page['phase']('data'):
+        pass
+    assert waited == [torch.device('cuda:0')]               # profiling on a GPU: the span ends with its kernels
+    monkeypatch.setitem(page, 'profiling', False)
+    with page['phase']('data'):
+        pass
+    assert waited == [torch.device('cuda:0')]               # a timed step keeps the queue full
 
 
 @pytest.mark.filterwarnings('ignore:Anomaly Detection has been enabled')
@@ -180,12 +182,17 @@ def test_trace_spans_and_shares_read_an_exported_trace(tmp_path):
         common.trace_spans(trace)
 
 
-def test_step_peak_is_counted_from_when_recording_began(tmp_path):
+def test_step_peak_is_counted_from_when_recording_began_on_its_own_device(tmp_path):
     trace = tmp_path / 'm.json'
-    memory = [dict(name='[memory]', args={'Total Allocated': total, 'Bytes': b})
-              for total, b in [(1000, 100), (1500, 500), (700, -800), (1200, 500)]]
-    trace.write_text(json.dumps({'traceEvents': memory}))
+    cpu = [dict(name='[memory]', args={'Total Allocated': total, 'Bytes': b, 'Device Type': 0, 'Device Id': -1})
+           for total, b in [(1000, 100), (1500, 500), (700, -800), (1200, 500)]]
+    gpu = [dict(name='[memory]', args={'Total Allocated': total, 'Bytes': b, 'Device Type': 1, 'Device Id': 0})
+           for total, b in [(9_000_000, 1000), (9_004_000, 4000)]]   # the GPU also holds the weights
+    trace.write_text(json.dumps({'traceEvents': cpu[:2] + gpu + cpu[2:]}))
     assert common.step_peak_bytes(trace) == 1500 - 900
+    assert common.step_peak_bytes(trace, 'cuda:0') == 9_004_000 - 8_999_000
+    with pytest.raises(ValueError, match='cuda:1'):
+        common.step_peak_bytes(trace, 'cuda:1')
     trace.write_text(json.dumps({'traceEvents': []}))
     with pytest.raises(ValueError, match='profile_memory'):
         common.step_peak_bytes(trace)
@@ -203,6 +210,9 @@ def test_operator_shares_and_calls_come_from_the_profile():
     assert 0 < share <= 1 and name.startswith('aten::')
     assert common.self_time_share(prof, name) == share
     assert common.self_time_share(prof, 'no such operator') == 0
+    # on a GPU the page ranks by device time: the key is the caller's (here the call count, to see it used)
+    most_called = max(s09.operator_rows(prof), key=lambda row: row.count).key
+    assert common.top_operator(prof, 'count')[0] == most_called
 
 
 def test_peaks_in_each_dtype_and_from_datasheets(monkeypatch):
