@@ -21,9 +21,10 @@ from comp_perf.processes import launch, allreduce_check
 from comp_perf.fashion_mnist import FASHION_LABELS, load_data_fashion_mnist
 from comp_perf.s00_book_helpers import d2l_torch, compare_with_d2l, benchmark_side_by_side
 
-# 01 Compilers and interpreters — quiet profiler output, tables aligned by display width
+# 01 Compilers and interpreters — quiet profiler output, aligned tables, GPU reference figures
 from comp_perf.measure import quiet_native_stderr
 from comp_perf.language import pad
+from comp_perf.reference import GpuReference
 
 # 02 Asynchronous computation — device waits, usable cores, timelines, display width
 from comp_perf.machine import usable_cores

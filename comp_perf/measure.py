@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -97,7 +98,8 @@ def measure(fn, *args, repeats=None, sync=True, device=None, min_run_time=0.2):
 
     Without `repeats`, torch.utils.benchmark's blocked_autorange runs fn in
     blocks until `min_run_time` seconds have passed, synchronising the current
-    GPU around each block, and returns the median time per call. We give it all of
+    GPU around each block (once this process uses one: timing CPU work creates
+    no CUDA context), and returns the median time per call. We give it all of
     PyTorch's threads: its own default is ONE thread, which would quietly time
     a different program than the one you run.
 
@@ -119,8 +121,16 @@ def measure(fn, *args, repeats=None, sync=True, device=None, min_run_time=0.2):
         )
         fn(*args)  # warm-up: first-call costs (allocation, compilation) stay out
         synchronize(device)
-        timer = benchmark.Timer(stmt='fn(*args)', globals={'fn': fn, 'args': args},
-                                            num_threads=torch.get_num_threads())
+
+        def clock():
+            # benchmark's own clock synchronises any accelerator torch can see, which creates a CUDA
+            # context (hundreds of MB of GPU memory) even to time CPU work; ours waits only for a GPU
+            # this process has used, as synchronize() does
+            synchronize(device)
+            return time.perf_counter()
+
+        timer = benchmark.Timer(stmt='fn(*args)', globals={'fn': fn, 'args': args}, timer=clock,
+                                num_threads=torch.get_num_threads())
         return timer.blocked_autorange(min_run_time=min_run_time).median
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f'repeats must be a whole number >= 1, got {repeats!r}.')
@@ -186,7 +196,20 @@ def verdict(what, value, cases, unit='×', digits=2, shown=None):
 
 @contextlib.contextmanager
 def quiet_native_stderr():
-    """Silence what C++ libraries (the profiler's kineto, say) print straight to fd 2."""
+    """Silence what C++ libraries (the profiler's kineto, say) print straight to fd 2.
+
+    Also the profiler's Python note that it clears events at the end of each
+    cycle: torch 2.11 prints it whenever a profiler starts, 2.14 on GPUs only.
+    Enter this before the profiler, so that the note of its start is caught too.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='.*Profiler clears events')
+        with _native_stderr_closed():
+            yield
+
+
+@contextlib.contextmanager
+def _native_stderr_closed():
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)

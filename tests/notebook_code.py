@@ -2,8 +2,9 @@
 
 A section's teaching code lives in its notebook, where the student reads it, not in
 common.py. Tests exercise exactly that code: `definitions('05-multi-gpu-from-scratch',
-'split_batch')` finds the top-level `def` (or `class`) statements of those names in the
-section's code cells and executes only them, in a namespace that has torch and common.
+'split_batch')` finds the top-level `def` (or `class`, or `NAME = ...`) statements of those
+names in the section's code cells and executes only them, in the order named, in a namespace
+that has torch and common.
 """
 import ast
 import math
@@ -22,7 +23,7 @@ def section_of(src):
 
 
 def definitions(section, *names):
-    """A namespace holding the named top-level functions or classes of a section's code cells.
+    """A namespace holding the named top-level functions, classes or constants of a section's code cells.
 
     The section's own top-level imports run first, so that the functions find the names
     the page imported for them.
@@ -35,6 +36,9 @@ def definitions(section, *names):
         for node in ast.parse(cell['en']).body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
                 found[node.name] = node
+            elif (isinstance(node, ast.Assign) and len(node.targets) == 1
+                  and isinstance(node.targets[0], ast.Name) and node.targets[0].id in wanted):
+                found[node.targets[0].id] = node   # a constant the page defines, such as a GpuReference
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 imports.append(node)
     missing = wanted - set(found)

@@ -18,7 +18,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a C
 def test_launch_with_nccl_communicates_gpu_tensors():
     n = min(2, common.num_gpus())
     assert common.launch(common.allreduce_check, n, backend='nccl') == [n * (n + 1) / 2] * n
-    assert max(common.launch(common.ring_check, n, 1001, backend='nccl')) < 1e-5
+
+
+@pytest.mark.procs
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason='a ring of one rank sends nothing: needs two GPUs')
+def test_ring_allreduce_on_nccl_between_two_gpus():
+    assert max(common.launch(common.ring_check, 2, 1001, backend='nccl')) < 1e-5
 
 
 @pytest.mark.procs
@@ -95,6 +100,7 @@ def test_timing_cpu_work_creates_no_cuda_context():
     code = ('import torch, common\n'
             'common.synchronize()\n'
             'common.measure(sum, [1, 2], repeats=3)\n'
+            'common.measure(sum, [1, 2], min_run_time=0.01)\n'
             'with common.Benchmark(verbose=False):\n'
             '    pass\n'
             'print("initialised", torch.cuda.is_initialized())\n')

@@ -47,6 +47,18 @@ def test_quiet_native_stderr_hides_fd2_then_restores_it(tmp_path):
     assert out.stderr.decode().splitlines()[-1] == 'shown' and b'hidden' not in out.stderr
 
 
+def test_quiet_native_stderr_catches_the_profilers_note_from_its_start():
+    # torch 2.11 warns "Profiler clears events ..." as a profiler starts: the filter must already be on
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with common.quiet_native_stderr():
+            warnings.warn('Profiler clears events at the end of each cycle.')
+            warnings.warn('another note')
+        warnings.warn('Profiler clears events again, outside')
+    assert [str(w.message) for w in caught] == ['another note', 'Profiler clears events again, outside']
+
+
 def test_plot_timeline_draws_one_row_per_lane():
     spans = [('front end', 0.0, 0.001, 'a'), ('back end', 0.001, 0.004, 'b'),
              ('front end', 0.002, 0.003, 'c')]
@@ -122,6 +134,21 @@ def test_synchronize_touches_no_gpu_before_cuda_is_initialised(fake_cuda):
     with common.Benchmark(verbose=False):
         pass
     assert waited == []
+
+
+def test_measure_of_cpu_work_on_a_gpu_machine_asks_no_accelerator_to_wait(fake_cuda, monkeypatch):
+    # torch.utils.benchmark's default clock synchronises torch.accelerator whenever a GPU is visible,
+    # creating a CUDA context to time a CPU sum; measure() passes a clock that waits like synchronize()
+    waited, initialised = fake_cuda
+    initialised(False)
+    accelerator = []
+    monkeypatch.setattr(torch.accelerator, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.accelerator, 'synchronize', lambda *a: accelerator.append(a))
+    common.measure(sum, [1, 2], min_run_time=0.01)
+    assert waited == [] and accelerator == []
+    initialised(True)   # once the process computes on a GPU, every block of the clock waits for it
+    common.measure(sum, [1, 2], min_run_time=0.01)
+    assert len(waited) >= 3 and accelerator == []
 
 
 def test_synchronize_waits_for_the_current_gpu_only_unless_told_more(fake_cuda):

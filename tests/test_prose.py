@@ -3,7 +3,8 @@
 The course's rule: the text never copies a number that a particular run measured;
 a cell prints the measured verdict (``common.verdict``), and the text says what to
 look for. Numbers from textbooks, datasheets, the seed notes or a stored reference
-run are allowed when the text names their source.
+run are allowed when the text names their source; the GPU reference files under
+data/reference/ count as stored outputs.
 
 ``find_unbacked_numbers(nb)`` looks for *measured quantities* in the markdown cells
 of a notebook (a number with a unit of time, bandwidth, throughput, ratio or
@@ -176,9 +177,27 @@ OUTPUT_QUANTITY = re.compile(
     rf'{START}(?P<first>{NUMBER})(?:{RANGE}(?P<second>{NUMBER}))?[ \t:=]{{0,2}}{_unit_pattern()}')
 
 
-def output_values(nb):
-    """{unit family: [numbers as printed]} for every quantity in the stored outputs."""
+def reference_values(folder=None):
+    """{unit family: [numbers]} of the committed GPU reference files (data/reference/*.json): a source.
+
+    A GPU run's stored figures may be quoted in the prose like a printed output;
+    those in a unit the prose checker knows (ms, GB/s, TFLOP/s, ...) back it.
+    """
     values = {}
+    for path in sorted((folder or ROOT / 'data' / 'reference').glob('*.json')):
+        data = json.loads(path.read_text(encoding='utf-8'))
+        for experiment in data.get('experiments', {}).values():
+            for figure in experiment.get('figures', {}).values():
+                family = FAMILY.get(figure.get('unit'))
+                numbers = figure['value'] if isinstance(figure.get('value'), list) else [figure.get('value')]
+                if family:
+                    values.setdefault(family, []).extend(repr(float(n)) for n in numbers)
+    return values
+
+
+def output_values(nb, reference_folder=None):
+    """{unit family: [numbers as printed]} for every quantity in the stored outputs and the GPU reference files."""
+    values = reference_values(reference_folder)
     for m in OUTPUT_QUANTITY.finditer(output_text(nb)):
         unit = m.group('glued') or m.group('unit')
         for number in (m.group('first'), m.group('second')):
@@ -226,10 +245,10 @@ def is_parity(number, family):
     return family == '×' and _decimal(number) == 1
 
 
-def find_unbacked_numbers(nb):
-    """The measured quantities in the markdown of `nb` that no stored output backs and no
-    source label (or given-marker) covers; every end of a range must be backed."""
-    printed = output_values(nb)
+def find_unbacked_numbers(nb, reference_folder=None):
+    """The measured quantities in the markdown of `nb` that no stored output (or GPU reference
+    file) backs and no source label (or given-marker) covers; every end of a range must be backed."""
+    printed = output_values(nb, reference_folder)
     findings = []
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != 'markdown':
@@ -311,6 +330,16 @@ def test_the_checker_finds_contradictions():
         'compile: 1.4 s\nfused/eager: 9.62x\n'))
     assert [f.text for f in findings] == ['20 s', '10×', '20 秒']
     assert all(f.cell == 0 for f in findings)
+
+
+def test_a_gpu_reference_file_backs_the_prose(tmp_path):
+    """A figure stored under data/reference/ may be quoted: the file is a source, in its own unit."""
+    (tmp_path / 'some-gpu.json').write_text(json.dumps({'format': 1, 'machine': {}, 'experiments': {
+        'x': {'figures': {'bf16': {'value': 771.234, 'unit': 'TFLOP/s'}, 'fp32': {'value': [48.9, 49.6], 'unit': 's'}}}}}))
+    nb = demo_notebook('The reference GPU ran bf16 at 771 TFLOP/s in 49.6 s, and 4.2 ms per step.', 'nothing')
+    assert [f.text for f in find_unbacked_numbers(nb, tmp_path)] == ['4.2 ms']
+    assert sorted(f.text for f in find_unbacked_numbers(nb, tmp_path / 'none')) == ['4.2 ms', '49.6 s',
+                                                                                   '771 TFLOP/s']
 
 
 def test_the_checker_accepts_backed_labelled_and_given_numbers():

@@ -1,6 +1,7 @@
 """The maintainers' tools: their code paths run here on the CPU."""
 import importlib.util
 import os
+import re
 import signal
 
 import pytest
@@ -106,7 +107,7 @@ def test_gpu_smoke_kit_is_pinned_once_and_closed(gpu_kit):
     lines = [line for line in lines if line]
     kit = gpu_kit.read_kit()
     assert len(kit) == len(lines) and all('==' in line for line in lines)   # every name once, pinned
-    assert {'nbclient', 'nbformat', 'ipykernel', 'jupyter-client', 'ipywidgets'} <= set(kit)
+    assert {'nbclient', 'nbformat', 'ipykernel', 'jupyter-client', 'ipywidgets', 'd2l'} <= set(kit)
     known = set(kit) | {gpu_kit.canonical(n) for n in gpu_kit.KIT_ASSUMED + gpu_kit.KIT_LEFT_OUT}
     python312 = {'python_version': '3.12', 'python_full_version': '3.12.3', 'sys_platform': 'linux',
                  'platform_system': 'Linux', 'platform_machine': 'x86_64', 'os_name': 'posix',
@@ -119,6 +120,9 @@ def test_gpu_smoke_kit_is_pinned_once_and_closed(gpu_kit):
         except metadata.PackageNotFoundError:
             continue
         if dist.version != version:   # this environment holds another release: its needs may differ
+            continue
+        if name in gpu_kit.KIT_PINS_NOT_FOLLOWED:   # installed without its own pins, on purpose
+            checked += 1
             continue
         checked += 1
         for text in dist.requires or []:
@@ -164,6 +168,65 @@ def test_gpu_smoke_make_kit_keeps_one_wheel_per_pin(gpu_kit, tmp_path, monkeypat
     assert "missing: ['nest-asyncio2']" in capsys.readouterr().out
 
 
+def the_documented_gpu_command():
+    """The one command of MAINTAINING.md's borrowed-machine recipe (its English copy), as one line."""
+    text = (ROOT / 'MAINTAINING.md').read_text(encoding='utf-8')
+    block = re.search(r'```bash\n(S=\$\(date \+%s\);.*?)```', text, re.S).group(1)
+    return block.replace('\\\n', ' ')
+
+
+def test_gpu_smoke_command_runs_09_first_keeps_its_logs_and_reaches_every_gpu_reference(gpu_smoke):
+    from test_reference import page_references
+    command = the_documented_gpu_command()
+    notebooks = re.search(r'--notebooks ((?:\d\d )+)', command).group(1).split()
+    assert notebooks[0] == '09'
+    assert set(page_references()) <= set(notebooks), 'a notebook that records GPU figures is not run'
+    assert '--lang en zh' in command and '| tee $OUT/gpu-tests.log' in command and '--zip' in command
+    files_back = {'summary.json', 'executed.zip', 'gpu-tests.xml', 'gpu-tests.log', gpu_smoke.REFERENCE_FILE}
+    assert len(files_back) <= gpu_smoke.MAX_FILES_BACK
+
+
+def test_gpu_smoke_runs_a_second_language_after_the_first_and_only_the_first_records(gpu_smoke, gpu_runner,
+                                                                                    tmp_path, monkeypatch):
+    import argparse
+    args = gpu_smoke.parse_args(['--out', str(tmp_path), '--notebooks', '09', '02', '--lang', 'en', 'zh'])
+    chosen = gpu_smoke.select(args)
+    assert [name for name, _ in chosen] == ['09-one-training-step', '02-asynchronous-computation',
+                                            '09-one-training-step.zh', '02-asynchronous-computation.zh']
+    assert [path.parent.name for _, path in chosen] == ['en', 'en', 'zh', 'zh']
+    monkeypatch.setenv('COURSE_REFERENCE_OUT', str(tmp_path / 'reference.json'))
+    runner = gpu_runner.Runner(argparse.Namespace(started_at=None, lang=['en', 'zh']), tmp_path)
+    runner.record_reference_in(tmp_path / 'notebooks' / 'en')
+    assert os.environ['COURSE_REFERENCE_OUT'] == str(tmp_path / 'reference.json')
+    runner.record_reference_in(tmp_path / 'notebooks' / 'zh')
+    assert 'COURSE_REFERENCE_OUT' not in os.environ
+    runner.record_reference_in(tmp_path / 'notebooks' / 'en')   # the path is remembered, not lost
+    assert os.environ['COURSE_REFERENCE_OUT'] == str(tmp_path / 'reference.json')
+
+
+def test_gpu_smoke_completes_and_keeps_the_reference_file(gpu_smoke, tmp_path, monkeypatch, capsys):
+    import json
+
+    from comp_perf import reference
+    assert gpu_smoke.keep_reference(tmp_path, {}) is None          # no GPU cell recorded: nothing to keep
+    data = {'format': 1, 'synthetic': False, 'experiments': {'02 CUDA events': {'settings': {}, 'figures': {}}},
+            'machine': {'device_name': 'NVIDIA H200', 'torch': '2.11.0+cu130', 'date': '2026-12-02'}}
+    (tmp_path / 'reference.json').write_text(json.dumps(data))
+    facts = {'nvidia_smi': 'NVIDIA H200, 580.159.04, 143771 MiB', 'device_count': 1}
+    assert gpu_smoke.keep_reference(tmp_path, facts) == ['02 CUDA events']
+    kept = json.loads((tmp_path / 'reference.json').read_text())
+    assert kept['machine']['driver'] == '580.159.04' and kept['machine']['device_count'] == 1
+    monkeypatch.setattr(reference, 'REFERENCE_DIR', tmp_path / 'data' / 'reference')
+    assert gpu_smoke.install_reference(tmp_path / 'reference.json') == 0
+    assert json.loads((tmp_path / 'data' / 'reference' / 'nvidia-h200.json').read_text()) == kept
+    kept['synthetic'] = True
+    (tmp_path / 'synthetic.json').write_text(json.dumps(kept))
+    assert gpu_smoke.install_reference(tmp_path / 'synthetic.json') == 2
+    (tmp_path / 'broken.json').write_text('{')
+    assert gpu_smoke.install_reference(tmp_path / 'broken.json') == 2
+    assert 'cannot be read as JSON' in capsys.readouterr().err
+
+
 def test_gpu_smoke_knows_which_notebooks_read_fashion_mnist(gpu_facts):
     reading = {p.name[:2] for p in sorted((ROOT / 'notebooks' / 'en').glob('0*.ipynb')) if gpu_facts.reads_data(p)}
     assert reading == {'00', '05', '06', '07', '09'}
@@ -200,7 +263,7 @@ def test_gpu_smoke_interrupts_a_cell_past_its_limit_and_keeps_its_traceback(gpu_
     # The run points Jupyter and IPython at its scratch folder through os.environ (it is a
     # command of its own); undo that here, or later kernels of this pytest look in a deleted folder.
     for name in ('JUPYTER_PATH', 'JUPYTER_RUNTIME_DIR', 'IPYTHONDIR', 'PYDEVD_DISABLE_FILE_VALIDATION',
-                 'MPLCONFIGDIR', 'MPLBACKEND'):
+                 'MPLCONFIGDIR', 'MPLBACKEND', 'COURSE_REFERENCE_OUT'):
         if name in os.environ:
             monkeypatch.setenv(name, os.environ[name])
         else:

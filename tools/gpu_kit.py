@@ -24,6 +24,7 @@ KIT_PLATFORMS = ([f'manylinux_2_{n}_x86_64' for n in range(28, 16, -1)]
 # what the kit's packages need but the kit leaves out: on the GPU image already, or not needed
 KIT_ASSUMED = ('attrs', 'packaging', 'psutil', 'pygments', 'python-dateutil', 'typing-extensions')
 KIT_LEFT_OUT = ('debugpy',)   # ipykernel's debugger only; the smoke kernelspec switches it off
+KIT_PINS_NOT_FOLLOWED = ('d2l',)   # its 2023 pins would replace the image's torch and numpy: --no-deps
 
 
 def shown(path):

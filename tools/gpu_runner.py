@@ -236,11 +236,25 @@ class Runner:
                 self.save()
                 continue
             print(f'[gpu_smoke] {name} ...', flush=True)
+            self.record_reference_in(work)
             self.run(name, original, copy, work, scratch / f'{name}.kernel.log', startup)
             signal.signal(signal.SIGTERM, on_sigterm)  # nbclient resets it while it runs
             rec = self.summary['notebooks'][name]
             print(f"[gpu_smoke] {name}: {rec['status']} in {rec['seconds']} s, "
                   f"{len(rec['errors'])} error(s)", flush=True)
+
+    def record_reference_in(self, workdir):
+        """Let the kernel record GPU reference figures only in the first language's notebooks.
+
+        The figures do not depend on the language; a second language's run would only
+        replace them with a later measurement.
+        """
+        langs = getattr(self.args, 'lang', None) or ['en']
+        reference = self.summary.setdefault('reference_out', os.environ.get('COURSE_REFERENCE_OUT'))
+        if reference and workdir.name == langs[0]:
+            os.environ['COURSE_REFERENCE_OUT'] = reference
+        else:
+            os.environ.pop('COURSE_REFERENCE_OUT', None)
 
     def run(self, name, original, path, workdir, log_path, startup_timeout):
         """Execute `path` (a scratch copy of `original`) with its kernel in `workdir`.
@@ -379,5 +393,8 @@ def scratch_copies(chosen, scratch, args):
             out.append((name, path, work / path.name, work))
         return out
     shutil.copytree(NOTEBOOKS, scratch / 'notebooks', ignore=shutil.ignore_patterns('artifacts', '.ipynb_checkpoints'))
-    work = scratch / 'notebooks' / args.lang
-    return [(name, path, work / path.name, work) for name, path in chosen]
+    copies = []
+    for name, path in chosen:
+        work = scratch / 'notebooks' / path.parent.name   # en/ or zh/: the kernel's language
+        copies.append((name, path, work / path.name, work))
+    return copies

@@ -9,16 +9,22 @@ a notebook (allow_errors). A cell that runs past its time limit is interrupted
 (a KeyboardInterrupt, so its traceback shows where it was), and that ends its
 notebook (the kernel is stopped); the run goes on with the next one.
 
-    python3 tools/gpu_smoke.py --out DIR [--notebooks 00 05 07] [--lang en]
+    python3 tools/gpu_smoke.py --out DIR [--notebooks 09 02 03] [--lang en [zh]]
         [--cell-timeout 300] [--budget SECONDS] [--hard-stop SECONDS]
         [--started-at UNIX_TIME] [--zip]
     python3 tools/gpu_smoke.py --make-kit     (the wheel kit: tools/gpu_kit.py)
+    python3 tools/gpu_smoke.py --keep-reference DIR/reference.json
+                                              (into data/reference/<gpu>.json)
 
 Written under --out: summary.json (the machine's facts and, per notebook, every
 code cell's seconds, error and stderr; rewritten after every cell, so a run
 killed mid-way keeps what it had done) and each executed notebook, NAME.ipynb
 (all in executed.zip with --zip, or when they and the files already in --out
-would be more than 8). A compact report is printed at the end.
+would be more than 8). The GPU cells of the first --lang's notebooks record their
+figures in DIR/reference.json (comp_perf/reference.py; the tool sets
+COURSE_REFERENCE_OUT for the kernels and adds the driver at the end); a later
+language's notebooks run in the time left, for their errors only. A compact
+report is printed at the end.
 
 Time limits. --cell-timeout: seconds per cell. --budget: no notebook starts
 after this many seconds of the run. --hard-stop: no cell runs past this many
@@ -49,6 +55,8 @@ tools/gpu_facts.py probes the machine, tools/gpu_kit.py builds the kit.
 The borrowed-machine recipe is in MAINTAINING.md.
 """
 import argparse
+import json
+import os
 import re
 import shutil
 import signal
@@ -62,24 +70,76 @@ from gpu_kit import KIT_DIR, KIT_FILE, make_kit, shown
 from gpu_runner import NOTEBOOKS, Runner, Terminated, now_utc, on_sigterm, one_line, prepare_kernel_environment
 
 MAX_FILES_BACK = 8   # more files than this in --out, and the executed notebooks go into one zip
+REFERENCE_FILE = 'reference.json'   # the GPU reference figures the notebooks record (comp_perf/reference.py)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def select(args):
-    """[(name, path)] of the notebooks to run: NN-*.ipynb of --lang, or --notebook-path."""
+    """[(name, path)] of the notebooks to run: NN-*.ipynb of each --lang in turn, or --notebook-path.
+
+    The first language's notebooks keep their plain names (09-one-training-step); those of a
+    later language get it as a suffix (09-one-training-step.zh), so that both can be in one run.
+    """
     if args.notebook_path:
         return [(Path(p).stem, Path(p).resolve()) for p in args.notebook_path]
-    folder = NOTEBOOKS / args.lang
+    chosen = []
+    for i, lang in enumerate(args.lang):
+        suffix = '' if i == 0 else f'.{lang}'
+        chosen += [(p.stem + suffix, p) for p in notebooks_of(NOTEBOOKS / lang, args.notebooks)]
+    return chosen
+
+
+def notebooks_of(folder, wanted):
+    """The NN-*.ipynb of `folder`, or those whose names start with each of `wanted`, in that order."""
     every = sorted(folder.glob('*.ipynb'))
-    found = [p for p in every if re.match(r'\d\d-', p.name)]
-    if args.notebooks:
-        chosen = []
-        for want in args.notebooks:
-            match = [p for p in every if p.name.startswith(want)]
-            if not match:
-                raise SystemExit(f'no notebook {want!r} in {folder}')
-            chosen += [p for p in match if p not in chosen]
-        found = chosen
-    return [(p.stem, p) for p in found]
+    if not wanted:
+        return [p for p in every if re.match(r'\d\d-', p.name)]
+    chosen = []
+    for want in wanted:
+        match = [p for p in every if p.name.startswith(want)]
+        if not match:
+            raise SystemExit(f'no notebook {want!r} in {folder}')
+        chosen += [p for p in match if p not in chosen]
+    return chosen
+
+
+def keep_reference(out, facts):
+    """Complete the GPU run's reference file (the driver, from nvidia-smi) and list what it holds.
+
+    The notebooks' GPU cells wrote it (comp_perf/reference.py, COURSE_REFERENCE_OUT);
+    None when none did.
+    """
+    path = out / REFERENCE_FILE
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text(encoding='utf-8'))
+    smi = (facts.get('nvidia_smi') or '').splitlines()
+    if smi and smi[0].count(',') >= 2:
+        data['machine']['driver'] = smi[0].split(',')[1].strip()
+    data['machine']['device_count'] = facts.get('device_count')
+    path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + '\n', encoding='utf-8')
+    return sorted(data.get('experiments', {}))
+
+
+def install_reference(path):
+    """Check a GPU run's reference file and copy it to data/reference/<gpu>.json; an exit status."""
+    sys.path.insert(0, str(ROOT))
+    from comp_perf.reference import REFERENCE_DIR, UnusableReference, gpu_slug, read_file
+    try:
+        data = read_file(path)
+    except UnusableReference as e:
+        print(f'[gpu_smoke] not kept: {e}', file=sys.stderr)
+        return 2
+    if data.get('synthetic'):
+        print(f'[gpu_smoke] not kept: {path} is synthetic test data', file=sys.stderr)
+        return 2
+    target = REFERENCE_DIR / f"{gpu_slug(data['machine']['device_name'])}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, target)
+    print(f"[gpu_smoke] {len(data['experiments'])} experiments of {data['machine']['device_name']} kept in "
+          f'{shown(target)}: run the tests (tests/test_reference.py checks it against every GPU cell), then '
+          're-execute the notebooks that show it and commit both.')
+    return 0
 
 
 def report(summary):
@@ -97,6 +157,10 @@ def report(summary):
         lines.append(f"Fashion-MNIST: {facts['fashion_mnist'] or 'not found'}")
     for note in summary['notes']:
         lines.append('note: ' + note)
+    if 'reference' in summary:
+        recorded = summary['reference']
+        lines.append(f'reference: {len(recorded)} experiment(s) in {REFERENCE_FILE}: {", ".join(recorded)}'
+                     if recorded else f'reference: no GPU cell recorded a figure ({REFERENCE_FILE} not written)')
     for name, rec in summary['notebooks'].items():
         if rec['status'] in ('skipped', 'pending'):
             lines.append(f'{name}: {rec["status"].upper()} ({rec.get("reason", "not reached")})')
@@ -127,7 +191,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--out', type=Path, help='folder for summary.json and notebooks')
     parser.add_argument('--notebooks', nargs='*', help='number prefixes such as 00 05 07 (default: all)')
-    parser.add_argument('--lang', default='en', choices=['en', 'zh'])
+    parser.add_argument('--lang', nargs='+', default=['en'], choices=['en', 'zh'],
+                        help='languages in turn; only the first records GPU reference figures')
     parser.add_argument('--cell-timeout', type=int, default=300, help='seconds per cell')
     parser.add_argument('--budget', type=float, default=None,
                         help='skip notebooks that would start after this many seconds')
@@ -139,10 +204,12 @@ def parse_args(argv=None):
     parser.add_argument('--zip', action='store_true', help='executed notebooks into executed.zip')
     parser.add_argument('--make-kit', action='store_true',
                         help=f'download the wheels of {shown(KIT_FILE)} into {shown(KIT_DIR)}/ and stop')
+    parser.add_argument('--keep-reference', type=Path, metavar='FILE',
+                        help='check a GPU run\'s reference.json and copy it to data/reference/<gpu>.json')
     parser.add_argument('--notebook-path', action='append', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.out is None and not args.make_kit:
-        parser.error('--out is required (or --make-kit)')
+    if args.out is None and not (args.make_kit or args.keep_reference):
+        parser.error('--out is required (or --make-kit, or --keep-reference FILE)')
     return args
 
 
@@ -164,8 +231,8 @@ def plan_outputs(runner, chosen):
     """Where the executed notebooks go (executed.zip past MAX_FILES_BACK files); every one 'pending'."""
     args = runner.args
     others = [p.name for p in args.out.iterdir() if p.is_file() and p.suffix != '.ipynb'
-              and p.name not in ('summary.json', 'summary.json.tmp', 'executed.zip')]
-    if not args.zip and len(chosen) + 1 + len(others) > MAX_FILES_BACK:
+              and p.name not in ('summary.json', 'summary.json.tmp', 'executed.zip', REFERENCE_FILE)]
+    if not args.zip and len(chosen) + 2 + len(others) > MAX_FILES_BACK:   # + summary.json, reference.json
         args.zip = True
         runner.summary['notes'].append(f'{len(chosen)} notebooks (and {len(others)} other files in --out): '
                                        'executed notebooks go into executed.zip')
@@ -183,7 +250,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.make_kit:
         return make_kit()
+    if args.keep_reference:
+        return install_reference(args.keep_reference)
     args.out.mkdir(parents=True, exist_ok=True)
+    os.environ['COURSE_REFERENCE_OUT'] = str((args.out / REFERENCE_FILE).resolve())   # the kernels inherit it
     runner = Runner(args, args.out)
     try:
         chosen = select(args)
@@ -208,6 +278,10 @@ def main(argv=None):
         runner.summary['notes'].append('runner failed: ' + ''.join(
             traceback.format_exception_only(type(e), e)).strip())
     finally:
+        try:
+            runner.summary['reference'] = keep_reference(args.out, runner.summary['facts']) or []
+        except (OSError, ValueError, KeyError) as e:
+            runner.summary['notes'].append(f'{REFERENCE_FILE} could not be completed: {e}')
         runner.summary['finished_utc'] = now_utc()
         runner.save()
         shutil.rmtree(scratch, ignore_errors=True)
