@@ -46,11 +46,19 @@ def top_operator(prof, key=SELF_CPU):
 def input_types(prof, name):
     """{dtype tuple: calls} of the operator `name`, as the profiler recorded them (record_shapes=True)."""
     seen = {}
-    for event in prof.events():
-        if event.name == name:
-            key = tuple(t for t in event.input_dtypes if t)
-            seen[key] = seen.get(key, 0) + 1
+    for dtypes in _recorded_dtypes(prof, name):
+        key = tuple(t for t in dtypes if t)
+        seen[key] = seen.get(key, 0) + 1
     return seen
+
+
+def _recorded_dtypes(prof, name):
+    # FunctionEvent.input_dtypes is recent: torch 2.11 (the GPU machine's) keeps the dtypes
+    # only on the kineto events the FunctionEvents are made from
+    events = [e for e in prof.events() if e.name == name]
+    if all(hasattr(e, 'input_dtypes') for e in events):
+        return [e.input_dtypes for e in events]
+    return [e.dtypes() for e in prof.profiler.kineto_results.events() if e.name() == name]
 
 
 def trace_spans(trace_file, phases=PHASES):

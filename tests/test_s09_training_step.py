@@ -198,6 +198,19 @@ def test_step_peak_is_counted_from_when_recording_began_on_its_own_device(tmp_pa
         common.step_peak_bytes(trace)
 
 
+def test_input_types_read_the_kineto_events_where_torch_keeps_them_only_there(monkeypatch):
+    # torch 2.11, the GPU machine's, has no FunctionEvent.input_dtypes: 09 stopped there in the rehearsal
+    from torch.autograd.profiler_util import FunctionEvent
+    lin = torch.nn.Linear(8, 8).double()
+    with common.quiet_native_stderr(), torch.profiler.profile(record_shapes=True) as prof:
+        lin(torch.randn(4, 8, dtype=torch.float64))
+    monkeypatch.delattr(FunctionEvent, 'input_dtypes', raising=False)
+    for event in prof.events():
+        event.__dict__.pop('input_dtypes', None)
+    assert not hasattr(next(e for e in prof.events() if e.name == 'aten::addmm'), 'input_dtypes')
+    assert common.input_types(prof, 'aten::addmm') == {('double', 'double', 'double', 'Scalar', 'Scalar'): 1}
+
+
 def test_operator_shares_and_calls_come_from_the_profile():
     lin = torch.nn.Linear(64, 64).double()
     x = torch.randn(32, 64, dtype=torch.float64)
