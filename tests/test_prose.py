@@ -334,8 +334,9 @@ def test_the_checker_finds_contradictions():
 
 def test_a_gpu_reference_file_backs_the_prose(tmp_path):
     """A figure stored under data/reference/ may be quoted: the file is a source, in its own unit."""
-    (tmp_path / 'some-gpu.json').write_text(json.dumps({'format': 1, 'machine': {}, 'experiments': {
-        'x': {'figures': {'bf16': {'value': 771.234, 'unit': 'TFLOP/s'}, 'fp32': {'value': [48.9, 49.6], 'unit': 's'}}}}}))
+    figures = {'bf16': {'value': 771.234, 'unit': 'TFLOP/s'}, 'fp32': {'value': [48.9, 49.6], 'unit': 's'}}
+    (tmp_path / 'some-gpu.json').write_text(json.dumps({'format': 1, 'machine': {},
+                                                        'experiments': {'x': {'figures': figures}}}))
     nb = demo_notebook('The reference GPU ran bf16 at 771 TFLOP/s in 49.6 s, and 4.2 ms per step.', 'nothing')
     assert [f.text for f in find_unbacked_numbers(nb, tmp_path)] == ['4.2 ms']
     assert sorted(f.text for f in find_unbacked_numbers(nb, tmp_path / 'none')) == ['4.2 ms', '49.6 s',
