@@ -50,7 +50,7 @@ from comp_perf.s05_data_parallel import (full_fp32, step_difference, step_tolera
                                          batch_indices, replica_devices, dp_worker)
 
 # 06 Concise multi-GPU training — ResNet-18, torchrun, DDP hooks and timeline, bucketed all-reduce
-from comp_perf.processes import torchrun
+from comp_perf.processes import torchrun, leave_process_group
 from comp_perf.s06_ddp import (resnet18, overlapped_hook, after_backward_hook, ddp_timeline,
                                plot_ddp_timeline)
 from comp_perf.s06_bucketed import make_buckets, BucketedAllReduce, check_bucketed_allreduce, show_solution

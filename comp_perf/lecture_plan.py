@@ -33,6 +33,10 @@ Lecture = namedtuple('Lecture', 'number parts homework merges', defaults=((),))
 
 _CLOSING = {'Summary', 'Exercises', '小结', '练习'}
 BUILD = 'build'   # a section's "Build it" part, the piece its check grades, as homework
+# a build's minutes for a student, its check passing included (08's build is its exercise 5, timed there)
+BUILD_MINUTES = {'06': 45, '09': 45}
+# every lecture's homework, by the exercises' own estimates and BUILD_MINUTES: balanced, none a week's work
+HOMEWORK_MINUTES = (45, 90)
 
 LECTURES = [
     Lecture(1, [Part('00-start-here', 'How to run the course', 'Course map'),
@@ -47,14 +51,14 @@ LECTURES = [
             homework=(('04', 2), ('04', 4), ('04', 6), ('04', 7))),
     Lecture(5, [Part('05-multi-gpu-from-scratch', 'Splitting the problem', 'Summary'),
                 Part('06-multi-gpu-concise', 'A ResNet-18 for 28×28 images', '`nn.DataParallel`')],
-            homework=(('05', 2), ('05', 4), ('05', 5))),
+            homework=(('05', 2), ('05', 3), ('05', 4))),
     Lecture(6, [Part('06-multi-gpu-concise', '`DistributedDataParallel` under `torchrun`', 'Summary')],
-            homework=(('06', 1), ('06', 2), ('06', 3))),
+            homework=(('06', BUILD), ('06', 2), ('06', 6))),
     Lecture(7, [Part('07-parameter-servers', 'Where should the gradients be added up?', 'Summary')],
-            homework=(('07', 1), ('07', 3), ('07', 4))),
+            homework=(('07', 1), ('07', 4))),
     Lecture(8, [Part('08-beyond-data-parallelism', 'Memory is the constraint',
                      'Pipeline parallelism: splitting the layers into stages')],
-            homework=(('08', 1), ('08', 2), ('08', 3))),
+            homework=(('08', 1), ('08', 2), ('08', 5))),
     Lecture(9, [Part('08-beyond-data-parallelism', 'Choosing', 'Summary'),
                 Part('09-one-training-step', 'The model and its cost', 'Summary')],
             homework=(('09', BUILD), ('09', 1), ('09', 3))),
@@ -96,13 +100,13 @@ SIX_LECTURES = [
                 Part('05-multi-gpu-from-scratch', 'Summary', 'Summary'),
                 Part('06-multi-gpu-concise', 'A ResNet-18 for 28×28 images', 'A ResNet-18 for 28×28 images'),
                 Part('06-multi-gpu-concise', '`DistributedDataParallel` under `torchrun`', 'Summary')],
-            homework=(('05', 2), ('06', 1), ('06', 2)), merges=(5, 6)),
+            homework=(('05', 4), ('06', BUILD), ('06', 2)), merges=(5, 6)),
     Lecture(5, [Part('07-parameter-servers', 'Where should the gradients be added up?',
                      'A ring all-reduce for real'),
                 Part('07-parameter-servers', 'Summary', 'Summary'),
                 Part('08-beyond-data-parallelism', 'Memory is the constraint',
                      'Sharded data parallelism: the parameter server inside data parallelism')],
-            homework=(('07', 1), ('07', 4), ('08', 1)), merges=(7, 8)),
+            homework=(('07', 4), ('08', 1), ('08', 5)), merges=(7, 8)),
     Lecture(6, [Part('08-beyond-data-parallelism', 'Tensor parallelism: splitting one layer', 'Summary'),
                 Part('09-one-training-step', 'The model and its cost', 'The payoff, measured fairly'),
                 Part('09-one-training-step', 'Build it: a faster step of your own', 'Summary')],
@@ -164,8 +168,34 @@ def lecture_load(notebooks, lecture):
 
 
 def has_build(cells):
-    """Whether a notebook has a `## … Build it` (动手实现) part, whose piece a check grades."""
-    return any(name.startswith(('Build it', '动手实现')) for _, name in headings(cells))
+    """Whether a notebook has a `##` or `###` "Build it" (动手实现) part, whose piece a check grades."""
+    for cell in cells:
+        first = cell.source.lstrip().split('\n', 1)[0] if cell.cell_type == 'markdown' else ''
+        if re.match(r'#{2,3} (?:\d+ )?(Build it|动手实现)', first):
+            return True
+    return False
+
+
+def exercise_minutes(cells):
+    """{exercise number: minutes} from the '*(★★ · 20 min)*' of each exercise in the Exercises cell."""
+    for cell in cells:
+        first = cell.source.lstrip().split('\n', 1)[0] if cell.cell_type == 'markdown' else ''
+        if re.match(r'## (?:\d+ )?Exercises\s*$', first):
+            body = cell.source.split('<details>')[0]
+            return {int(n): int(m) for n, m in re.findall(r'^(\d+)\. .*?\(★+ · (\d+) min\)', body, re.M)}
+    return {}
+
+
+def homework_minutes(english, lecture):
+    """A lecture's homework in minutes: its exercises' own estimates, and BUILD_MINUTES for a build."""
+    by_section = {stem[:2]: stem for stem in english}
+    total = 0
+    for section, number in lecture.homework:
+        if number == BUILD:
+            total += BUILD_MINUTES.get(section, 0)
+        elif section in by_section:
+            total += exercise_minutes(english[by_section[section]]).get(number, 0)
+    return total
 
 
 def exercise_numbers(cells):
@@ -182,7 +212,8 @@ def plan_problems(english, chinese, lectures, drops=()):
 
     Every taught section of every notebook in exactly one lecture (or, for a cut, listed in
     `drops`); every heading a part names present in both languages at the same cell; every
-    lecture's estimate within MATERIAL_MINUTES; every homework exercise present in both.
+    lecture's estimate within MATERIAL_MINUTES; every homework exercise present in both, and each
+    lecture's homework within HOMEWORK_MINUTES.
     """
     problems, seen = [], {}
     by_section = {stem[:2]: stem for stem in english}
@@ -214,6 +245,11 @@ def plan_problems(english, chinese, lectures, drops=()):
                 problems.append(f'lecture {lecture.number}: about {minutes:.0f} min of material, more than the '
                                 f'{MATERIAL_MINUTES} min a {LECTURE_MINUTES}-minute lecture leaves beside its '
                                 f'quiz ({QUIZ_MINUTES} min) and discussion ({DISCUSSION_MINUTES} min)')
+        low, high = HOMEWORK_MINUTES
+        homework = homework_minutes(english, lecture)
+        if not low <= homework <= high:
+            problems.append(f'lecture {lecture.number}: about {homework} min of homework, outside the '
+                            f'{low}–{high} min each lecture gets')
         for section, number in lecture.homework:
             stem = by_section.get(section)
             if number == BUILD:

@@ -64,7 +64,7 @@ def _check_index(i):
 def try_gpu(i=0):
     """Return cuda:i if it exists, otherwise the CPU.
 
-    d2l: the same choice as d2l's, and a negative index is an error.
+    d2l: the same choice as d2l's; a negative index gets a clear message (d2l's fails inside torch.device).
     """
     _check_index(i)
     return torch.device(f'cuda:{i}') if i < num_gpus() else torch.device('cpu')

@@ -22,7 +22,7 @@ D2L_VERSION = '1.0.3'   # the release the course installs (requirements-d2l.txt)
 # name: how the course's helper differs from d2l's (the 'd2l:' line of its docstring)
 DIFFERENCES = {
     'try_all_gpus': "returns [cpu] on a machine without a GPU, where d2l's returns an empty list",
-    'try_gpu': "the same choice as d2l's, and a negative index is an error",
+    'try_gpu': "the same choice as d2l's; a negative index gets a clear message (d2l's fails inside torch.device)",
     'gpu': "raises a clear error for a GPU this machine does not have; d2l's returns the device unchecked",
     'num_gpus': "the same count as d2l's, read through torch.cuda.is_available() first",
     'Timer': "time.perf_counter (monotonic, fine-grained) instead of d2l's time.time (wall clock)",
@@ -33,8 +33,11 @@ DIFFERENCES = {
     'accuracy': "the same count as d2l's; kept so that worker processes need not import d2l (pandas, scipy)",
     'Animator': "redraws one figure in place and never changes matplotlib's output format; "
                 "d2l's switches every figure to SVG (use_svg_display)",
-    'Residual': "takes its input channels explicitly (no lazy layers), so that DDP can wrap the model at once",
-    'resnet18': "has a width parameter (the CPU settings use a narrow one); d2l's is fixed at 64 channels",
+    'Residual': "takes its input channels explicitly (no lazy layers), so that DDP can wrap the model at once; "
+                "its convolutions have no bias (a batch norm follows each) and its 1×1 shortcut is "
+                "batch-normalised, where d2l's convolutions have biases and its shortcut is a bare 1×1 convolution",
+    'resnet18': "has a width parameter (the CPU settings use a narrow one), where d2l's widths are fixed "
+                "(64 to 512); its stem convolution has no bias",
 }
 
 

@@ -18,7 +18,9 @@ from comp_perf.processes import run_keys
 class Residual(torch.nn.Module):
     """A ResNet basic block: two 3×3 convolutions with batch norm, plus a (projected) shortcut.
 
-    d2l: takes its input channels explicitly (no lazy layers), so that DDP can wrap the model at once.
+    d2l: takes its input channels explicitly (no lazy layers), so that DDP can wrap the model at once;
+    its convolutions have no bias (a batch norm follows each) and its 1×1 shortcut is batch-normalised,
+    where d2l's convolutions have biases and its shortcut is a bare 1×1 convolution.
     """
 
     def __init__(self, in_channels, out_channels, stride=1):
@@ -40,7 +42,8 @@ class Residual(torch.nn.Module):
 def resnet18(num_classes=10, width=64, in_channels=1):
     """ResNet-18 for 28×28 inputs: a 3×3 stem without max-pool, stages of width w, 2w, 4w, 8w.
 
-    d2l: has a width parameter (the CPU settings use a narrow one); d2l's is fixed at 64 channels.
+    d2l: has a width parameter (the CPU settings use a narrow one), where d2l's widths are fixed
+    (64 to 512); its stem convolution has no bias.
     """
     nn = torch.nn
     layers = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]

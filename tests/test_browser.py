@@ -140,6 +140,8 @@ def test_notebook_runs_in_jupyterlab_in_a_browser(lab, browser, lang, name):
     print(f'\n{lang}/{name}: {code_cells} cells ran in {seconds:.0f} s in the browser; '
           f'{len(state["images"])} figures; screenshot {SHOTS / f"{lang}-{name}.png"}')
     assert state['prompts'] == [f'[{i}]:' for i in range(1, code_cells + 1)], 'cells ran out of order'
+    assert not browser.execute_script('return document.body.innerText.includes("official Jupyter news")'), \
+        'JupyterLab asks about Jupyter news over the notebook: is tools/lab_overrides.json in the environment?'
     assert not state['errors'], f'cells wrote errors or warnings: {state["errors"]}'
     assert first and len(state['images']) == figures, \
         f'{len(state["images"])} figures in the page, {figures} in the stored notebook'

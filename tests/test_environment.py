@@ -88,3 +88,13 @@ def test_every_requirement_is_used_by_the_course():
             continue
         names = modules.get(name, [name.replace('-', '_')])
         assert any(re.search(rf'\b{re.escape(m)}\b', own) for m in names), f'{name} ({names}) is never used'
+
+
+def test_the_course_lab_opens_without_asking_about_jupyter_news():
+    """./course puts its JupyterLab defaults into the environment (overrides.json), not the user's home."""
+    import json
+    overrides = Path(sys.prefix, 'share', 'jupyter', 'lab', 'settings', 'overrides.json')
+    ours = json.loads((ROOT / 'tools' / 'lab_overrides.json').read_text(encoding='utf-8'))
+    assert ours['@jupyterlab/apputils-extension:notification'] == {'fetchNews': 'false', 'checkForUpdates': False}
+    assert overrides.exists(), f'{overrides} is missing: run ./course setup'
+    assert json.loads(overrides.read_text(encoding='utf-8')) == ours

@@ -161,10 +161,90 @@ def test_an_overfull_cut_lecture_is_found(stored_en, stored_zh):
 
 
 def test_homework_that_does_not_exist_is_found(stored_en, stored_zh):
-    broken = _replace(lp.LECTURES, 9, homework=(('09', 1), ('09', 17)))
+    broken = _replace(lp.LECTURES, 9, homework=(('09', lp.BUILD), ('09', 1), ('09', 17)))
     assert lp.plan_problems(stored_en, stored_zh, broken) == ['lecture 9: homework 09 ex. 17 does not exist']
-    broken = _replace(lp.LECTURES, 8, homework=(('08', 1), ('07', lp.BUILD)))   # 07 has no build
+    broken = _replace(lp.LECTURES, 8, homework=(('08', 1), ('08', 5), ('07', lp.BUILD)))   # 07 has no build
     assert lp.plan_problems(stored_en, stored_zh, broken) == ['lecture 8: homework 07 build does not exist']
+
+
+def test_homework_outside_its_band_is_found(stored_en, stored_zh):
+    heavy = _replace(lp.LECTURES, 7, homework=(('07', 1), ('07', 3), ('07', 4)))   # 60 + 45 + 15 min
+    assert lp.plan_problems(stored_en, stored_zh, heavy) == [
+        'lecture 7: about 120 min of homework, outside the 45–90 min each lecture gets']
+    light = _replace(lp.LECTURES, 2, homework=(('02', 1),))
+    assert lp.plan_problems(stored_en, stored_zh, light) == [
+        'lecture 2: about 10 min of homework, outside the 45–90 min each lecture gets']
+
+
+def test_every_build_and_its_exercise_is_homework_in_both_plans(stored_en):
+    builds = {stem[:2] for stem, cells in stored_en.items() if lp.has_build(cells)}
+    assert builds == {'06', '08', '09'}   # 06's and 08's builds are `###` parts of a section
+    for plan in (lp.LECTURES, lp.SIX_LECTURES):
+        homework = {item for lecture in plan for item in lecture.homework}
+        assert {('06', lp.BUILD), ('08', 5), ('09', lp.BUILD)} <= homework
+    assert ('06', 6) in {item for lecture in lp.LECTURES for item in lecture.homework}
+    assert lp.exercise_minutes(stored_en['08-beyond-data-parallelism'])[5] == 45
+
+
+def names_bound(code):
+    """Names a code cell binds at its top level (assignments, defs, imports, for targets, with ... as)."""
+    import ast
+    bound = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split('.')[0] for a in node.names}
+    return bound
+
+
+def names_read(code):
+    import ast
+    return {node.id for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Name)
+            and isinstance(node.ctx, ast.Load)}
+
+
+def python_of(cell):
+    lines = [line for line in cell.source.splitlines() if not line.lstrip().startswith(('%', '!'))]
+    return '\n'.join(lines) if not cell.source.lstrip().startswith('%%') else ''
+
+
+def cut_problems(english, drops):
+    """Names a kept cell of the six-lecture cut reads that only a dropped cell before it binds."""
+    problems = []
+    for stem, cells in english.items():
+        dropped = set()
+        heads = lp.headings(cells)
+        for name in [n for s, n in drops if s == stem]:
+            # from the dropped heading to the next one: the set-up cells above a first section stay
+            k = [n for _, n in heads].index(name)
+            end = heads[k + 1][0] if k + 1 < len(heads) else len(cells)
+            dropped |= set(range(heads[k][0], end))
+        only_dropped, kept_bound = set(), set()
+        for i, cell in enumerate(cells):
+            if cell.cell_type != 'code':
+                continue
+            code = python_of(cell)
+            if i in dropped:
+                only_dropped |= names_bound(code) - kept_bound
+                continue
+            missing = (names_read(code) & only_dropped) - kept_bound
+            problems += [f'{stem} c{i:03d} reads {name}, bound only in a dropped part' for name in sorted(missing)]
+            kept_bound |= names_bound(code)
+    return problems
+
+
+def test_the_six_lecture_cut_runs_top_to_bottom_without_its_dropped_parts(stored_en):
+    # the kept cells, in order, must not need a name that only a dropped part defines (09 once lost ck_s so)
+    assert cut_problems(stored_en, lp.CUT_DROPS) == []
+
+
+def test_a_cut_that_drops_what_a_kept_cell_needs_is_found(stored_en):
+    drops = list(lp.CUT_DROPS) + [('09-one-training-step', 'The first draft')]
+    found = cut_problems(stored_en, drops)
+    assert any(p.startswith('09-one-training-step') and 'make_step' in p for p in found), found
 
 
 # --- the guide's prose agrees with the plan ----------------------------------------------------

@@ -84,6 +84,33 @@ def test_workers_can_return_tensors_that_outlive_them():
 
 
 @pytest.mark.procs
+def test_a_worker_that_leaves_at_once_still_delivers_a_large_result():
+    results = common.launch(workers.large_result, 2)
+    assert [r.sum().item() for r in results] == [0.0, 250_000.0]
+
+
+def test_a_worker_flushes_its_result_before_it_exits_without_the_teardown(monkeypatch):
+    # gloo's teardown at exit sometimes aborts a finished worker (exit -6): workers end with os._exit,
+    # and os._exit drops what the queue's feeder thread has not written yet, so the queue is joined first
+    from comp_perf import processes
+    calls = []
+    queue = type('Queue', (), {'close': lambda self: calls.append('close'),
+                               'join_thread': lambda self: calls.append('flushed')})()
+    monkeypatch.setattr(processes.os, '_exit', lambda code: calls.append(('exit', code)))
+    processes._leave(queue)
+    assert calls == ['close', 'flushed', ('exit', 0)]
+
+
+def test_leave_process_group_destroys_the_group_then_exits_at_once(monkeypatch):
+    from comp_perf import processes
+    calls = []
+    monkeypatch.setattr(processes.dist, 'destroy_process_group', lambda: calls.append('destroy'))
+    monkeypatch.setattr(processes.os, '_exit', lambda code: calls.append(('exit', code)))
+    common.leave_process_group()
+    assert calls == ['destroy', ('exit', 0)]
+
+
+@pytest.mark.procs
 def test_worker_exception_is_reraised_with_traceback():
     with pytest.raises(ZeroDivisionError, match='on purpose') as info:
         common.launch(workers.fail_on_rank_one, 2, timeout=60)

@@ -93,3 +93,8 @@ def beyond_data_parallelism_seeing_gpus(rank, world_size):
 
 def intra_op_threads(rank, world_size):
     return torch.get_num_threads()
+
+
+def large_result(rank, world_size):
+    """1 MB per rank: the queue's feeder thread is still writing it when the worker leaves."""
+    return torch.full((250_000,), float(rank))
