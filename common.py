@@ -69,7 +69,7 @@ from comp_perf.s07_async_ps import ps_async_process, ps_in_turn
 # 08 Beyond data parallelism — memory, ZeRO and FSDP, tensor and pipeline parallelism, a 2-D mesh
 from comp_perf.processes import worker_device
 from comp_perf.s08_memory import (PRECISIONS, ZERO_SHARDS, MEMORY_PARTS, zero_memory, training_memory,
-                                  saved_activation_bytes, memory_calculator, memory_figure)
+                                  saved_activation_bytes, memory_calculator, memory_figure, parameter_count)
 from comp_perf.s08_beyond_data_parallel import (ring_bytes, mlp, teacher_batches, sharded_training,
                                                 tensor_parallel_check, bubble_fraction, pipeline_run,
                                                 measured_bubble)

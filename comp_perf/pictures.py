@@ -62,11 +62,13 @@ def bar_rows(rows, longest):
                    for label, shown, value in rows)
 
 
-def plot_dependency_graph(graph, lanes, title=None, xlabel=None, ax=None):
+def plot_dependency_graph(graph, lanes, title=None, xlabel=None, ax=None, names=None):
     """Draw a task graph (a networkx DiGraph whose nodes have a 'resource' in `lanes`); return ax.
 
     A task sits at x = its dependency depth and on the row of its resource (tasks that
     share both are stepped aside); edges are dependencies; lane names go through tr().
+    names(task) is the label a reader sees (the task itself by default), broken
+    before its parenthesis or its 'from'.
     """
     import matplotlib.pyplot as plt
     import networkx as nx
@@ -85,16 +87,30 @@ def plot_dependency_graph(graph, lanes, title=None, xlabel=None, ax=None):
     nx.draw_networkx_nodes(graph, position, ax=ax, node_size=260, cmap='tab10', vmin=0, vmax=9,
                            node_color=[lanes.index(graph.nodes[t]['resource']) for t in graph])
     nx.draw_networkx_edges(graph, position, ax=ax, node_size=260, arrowsize=9, edge_color='gray')
-    nx.draw_networkx_labels(graph, {t: (x, y - 0.13) for t, (x, y) in position.items()}, ax=ax, font_size=7,
-                            verticalalignment='top', labels={t: t.replace(' (', '\n(').replace(' from', '\nfrom')
-                                                             for t in graph})   # below its node, not over it
+    names = names or str
+    for task, (x, y) in position.items():
+        above = y == 0          # the top row's edges all come from below, so its labels go above its nodes
+        # over the edges and on white, so that an edge crossing a label hides none of its letters
+        ax.text(x, y + 0.13 if above else y - 0.13, _wrapped(names(task)), ha='center', fontsize=7,
+                va='bottom' if above else 'top', zorder=3,
+                bbox=dict(facecolor='white', edgecolor='none', alpha=0.85, pad=0.4))
     ax.set_yticks([-i for i in range(len(lanes))], [tr(lane) for lane in lanes])
     ax.set_xticks(range(max(depth.values(), default=0) + 1))
+    ax.set_ylim(-len(lanes) + 0.4, 0.6)
     ax.tick_params(left=True, labelleft=True, bottom=True, labelbottom=True)
     ax.set_xlabel(xlabel or '')
     if title:
         ax.set_title(title)
     return ax
+
+
+def _wrapped(label):
+    """A graph label on two lines, broken before its parenthesis or its 'from', so that labels side by side fit."""
+    for mark in (' (', '（', ' from '):
+        if mark in label:
+            head, tail = label.split(mark, 1)
+            return f'{head}\n{mark.strip()}{" " if mark == " from " else ""}{tail}'
+    return label
 
 
 def plot_device_rows(stages, moves, titles, rows, ax=None, fmt='{:g}'):

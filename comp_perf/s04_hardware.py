@@ -62,7 +62,7 @@ def describe_cpu(cpu):
     print(tr('vector units: {bits}-bit, fused multiply-add: {fma}', bits=cpu['vector_bits'],
              fma=tr('supported') if cpu['fma'] else tr('not supported')))
     print(tr('data caches: {caches}',
-             caches=tr(', ').join(f'{k} {v // 1024} KiB' for k, v in cpu['caches'].items()) or '-'))
+             caches=tr(', ').join(f'{k} {_human_size(v)}' for k, v in cpu['caches'].items()) or '-'))
     print(tr('GPU: {names}', names=tr(', ').join(torch.cuda.get_device_name(i) for i in range(num_gpus()))
              or tr('none')))
 
@@ -148,6 +148,15 @@ def _human_size(nbytes):
     return f'{nbytes / 2**20:g} MiB' if nbytes >= 2**20 else f'{nbytes / 1024:g} KiB'
 
 
+def _headroom(ax, log_y, share=0.15):
+    """Raise the top of the y axis so that the data stay out of its top `share`, where the cache labels go."""
+    low, high = ax.get_ylim()
+    if log_y:
+        ax.set_ylim(low, high * (high / low) ** (share / (1 - share)))
+    else:
+        ax.set_ylim(low, high + (high - low) * share / (1 - share))
+
+
 def _human_time(seconds):
     return f'{seconds * 1e9:.1f} ns' if seconds < 1e-6 else f'{seconds * 1e6:.1f} µs' if seconds < 1e-3 \
         else f'{seconds * 1e3:.1f} ms'
@@ -158,11 +167,12 @@ def plot_by_size(sizes, values, caches, label, ylabel, title, log_y=False, color
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 3.2))
     ax.plot(sizes, values, 'o-', color=color, label=label)
-    for level, size in caches.items():
-        ax.axvline(size, color='gray', linestyle=':')
-        ax.text(size, max(values) * (0.9 if log_y else 0.98), f' {level}', va='top', fontsize=8)
     ax.set(xscale='log', yscale='log' if log_y else 'linear', xlabel=tr('working set (bytes)'), ylabel=ylabel,
            title=title)
+    _headroom(ax, log_y)
+    for level, size in caches.items():
+        ax.axvline(size, color='gray', linestyle=':')
+        ax.text(size, 0.98, f' {level}', va='top', fontsize=8, transform=ax.get_xaxis_transform())   # in the headroom
     ax.grid(True, which='both' if log_y else 'major', alpha=0.3)
     ax.legend(loc='lower right' if log_y else 'lower left')
     plt.show()

@@ -1,9 +1,11 @@
 """Section 06, the piece you build: gradients all-reduced in buckets while the backward pass runs.
 
 BucketedAllReduce is the reference solution of 06's exercise (what DDP's reducer does, written
-with autograd hooks); check_bucketed_allreduce() runs anyone's version of it in two gloo
-processes and says pass or fail: the same gradients and parameters as DDP, all-reduces that start
-before the backward pass has computed its last gradient, and fewer all-reduces than parameters.
+with autograd hooks); check_bucketed_allreduce() runs anyone's version of it in gloo processes
+beside DDP and says pass or fail, part by part: the same start on every rank, the same gradients
+and parameters as DDP, also when gradients are accumulated over two backward passes and when a
+parameter gets no gradient, all-reduces that run while the backward pass goes on, and fewer
+all-reduces than parameters.
 """
 import copy
 import html
@@ -11,7 +13,6 @@ import importlib
 import inspect
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -44,39 +45,58 @@ def make_buckets(params, bucket_mb):
 class BucketedAllReduce:
     """Average every gradient over the ranks, bucket by bucket, while the backward pass runs.
 
-    After loss.backward() call finish(), then optimizer.step(). A hook on each parameter
-    counts the gradients of its bucket; when the bucket's last gradient is ready, the bucket
-    is flattened into one tensor and its all-reduce starts at once (async_op=True), while
-    the backward pass goes on with earlier layers. Every rank fills the buckets in the same
-    order, so every rank starts the same all-reduces in the same order, as collectives must.
+    Use it as DDP is used: build it once (it copies rank 0's parameters and buffers to every
+    rank), then call loss.backward() as often as you accumulate, then optimizer.step(). A hook on
+    each parameter counts the gradients of its bucket; buckets are sent in bucket order, each as
+    soon as it and every bucket before it are full, as one flat tensor whose all-reduce starts at
+    once (async_op=True) while the backward pass goes on. When the pass ends, autograd runs
+    finish(), which sends any bucket a parameter without a gradient held back (zeros in its
+    place), waits, and writes the averages into .grad. Every rank sends the same buckets in the
+    same order, as collectives must.
     """
 
     def __init__(self, model, bucket_mb=25):
         self.world_size = dist.get_world_size()
         self.buckets = make_buckets([p for p in model.parameters() if p.requires_grad], bucket_mb)
         self.bucket_of = {p: k for k, bucket in enumerate(self.buckets) for p in bucket}
-        self.ready = [0] * len(self.buckets)   # gradients ready in each bucket, this step
-        self.pending = []                      # (handle, flat tensor, bucket) of each all-reduce started
+        self.ready = [0] * len(self.buckets)   # gradients ready in each bucket, this backward pass
+        self.pending = []                      # (handle, flat tensor, bucket) of each bucket sent, in bucket order
+        self.in_backward = False               # has this backward pass queued finish() yet?
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self.gradient_ready)
+        for t in [*model.parameters(), *model.buffers()]:   # start every rank from rank 0's model, as DDP does
+            dist.broadcast(t.detach(), src=0)
 
     def gradient_ready(self, p):
-        """Autograd calls this when p.grad holds this step's local gradient."""
-        k = self.bucket_of[p]
-        self.ready[k] += 1
-        if self.ready[k] == len(self.buckets[k]):   # the bucket is full: send it now
-            flat = torch.cat([q.grad.flatten() for q in self.buckets[k]])
-            self.pending.append((dist.all_reduce(flat, async_op=True), flat, self.buckets[k]))
+        """Autograd calls this when p.grad holds this pass's local gradient, added to any earlier one."""
+        if not self.in_backward:   # the pass's first gradient: have autograd call finish() when the pass ends
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self.ready[self.bucket_of[p]] += 1
+        while len(self.pending) < len(self.buckets) and self._full(len(self.pending)):
+            self.send(len(self.pending))   # the next bucket in order, and any full ones behind it
+
+    def _full(self, k):
+        return self.ready[k] == len(self.buckets[k])
+
+    def send(self, k):
+        """Start the all-reduce of bucket k without waiting; a missing gradient is sent as zeros."""
+        flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).flatten()
+                          for q in self.buckets[k]])
+        self.pending.append((dist.all_reduce(flat, async_op=True), flat, self.buckets[k]))
 
     def finish(self):
-        """Wait for every all-reduce, write the averages into .grad, and get ready for the next step."""
+        """Send the buckets still held back, wait for every all-reduce, write the averages into .grad."""
+        for k in range(len(self.pending), len(self.buckets)):   # a parameter got no gradient this pass
+            self.send(k)
         for handle, flat, bucket in self.pending:
             handle.wait()
             flat /= self.world_size
             for q, average in zip(bucket, flat.split([q.numel() for q in bucket])):
-                q.grad.copy_(average.view_as(q.grad))
+                q.grad = average.view_as(q)   # also where this rank had no gradient: the others may have
         self.ready = [0] * len(self.buckets)
         self.pending = []
+        self.in_backward = False
 
 
 def show_solution(*objs):
@@ -108,24 +128,88 @@ def show_solution(*objs):
 
 CHECK_RUN = dict(width=8, batch_size=16, bucket_mb=0.1, steps=2, lr=0.1)
 TOLERANCE = 1e-5   # largest difference from DDP, relative to the largest gradient (or parameter)
+PARTS = ('same_start', 'grads', 'accumulation', 'unused', 'overlap', 'buckets')
 
 
 def _gap(mine, theirs):
-    """Largest |a − b| over tensors, relative to the largest |b|."""
-    largest = max(float(b.detach().abs().max()) for b in theirs)
-    return max(float((a - b).detach().abs().max()) for a, b in zip(mine, theirs)) / max(largest, 1e-30)
+    """Largest |a − b| over tensors, relative to the largest |b|; a missing gradient counts as zeros."""
+    pairs = [(torch.zeros(()) if a is None else a, torch.zeros(()) if b is None else b) for a, b in zip(mine, theirs)]
+    largest = max(float(b.detach().abs().max()) for _, b in pairs)
+    return max(float((a - b).detach().abs().max()) for a, b in pairs) / max(largest, 1e-30)
+
+
+class _Watched:
+    """A Work handle (or its Future) that notes when someone waits for it, and otherwise behaves as it."""
+
+    def __init__(self, inner, note):
+        self._inner, self._note = inner, note
+
+    def wait(self, *args, **kwargs):
+        self._note()
+        return self._inner.wait(*args, **kwargs)
+
+    def value(self):   # a Future's value() waits too
+        self._note()
+        return self._inner.value()
+
+    def get_future(self):
+        return _Watched(self._inner.get_future(), self._note)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _record_all_reduce(events, recording):
+    """A stand-in for dist.all_reduce that appends ('all-reduce', n, elements) when it starts and
+    ('wait', n) when it is first waited for; a synchronous call (async_op False) waits at once."""
+    real_all_reduce = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        work = real_all_reduce(tensor, *args, **kwargs)
+        if not recording[0]:
+            return work
+        n = sum(kind == 'all-reduce' for kind, *_ in events)
+        events.append(('all-reduce', n, tensor.numel()))
+        waited = []
+
+        def note():
+            if not waited:
+                waited.append(True)
+                events.append(('wait', n))
+        if work is None:
+            note()
+            return None
+        return _Watched(work, note)
+    return all_reduce
+
+
+class _WithUnusedLayer(torch.nn.Module):
+    """The check's network with a layer that forward() skips: its parameters never get a gradient."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.skipped = torch.nn.Linear(8, 8)   # registered first, so it sits in the last bucket
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
 
 
 def bucketed_check(rank, world_size, module, folder, run=None):
     """Worker for launch(): train `module`.BucketedAllReduce beside DDP and record what it does.
 
-    Both start from the same ResNet-18 and see the same batches (each rank its own) for
-    run['steps'] SGD steps. Returns, on rank 0, the largest gradient and parameter
-    differences from DDP, relative to the largest value, and per step the order of
-    events: ('gradient', name, time) when a gradient is ready (our hook, which fires before the
-    class's own) and ('all-reduce', elements, time, async_op) when an all-reduce starts (recorded
-    by wrapping torch.distributed.all_reduce). A class
-    that raises NotImplementedError returns {'not built': its message}.
+    Every rank seeds its model differently, so DDP and the class must both bring rank 0's to
+    every rank: 'same_start' is their gap right after construction, and then DDP's weights are loaded
+    into the class's model, so that no other part depends on it. Then run['steps'] SGD steps of
+    one backward pass each ('grads', with the parameters after them), one step that accumulates
+    two micro-batches ('accumulation'), and one step of a model with a skipped layer against DDP
+    with find_unused_parameters=True ('unused'); each rank sees its own batches. Each of these is
+    this rank's largest difference from DDP, relative to the largest value. On rank 0, 'passes'
+    holds, per backward pass of the first model, the order of events: ('gradient', name) when a
+    gradient is ready (our hook, registered before the class's, fires first), ('all-reduce', n,
+    elements) when the n-th all-reduce starts and ('wait', n) when it is first waited for (by
+    wrapping torch.distributed.all_reduce and its handle). A class that raises
+    NotImplementedError returns {'not built': its message}.
     """
     run_keys(run or {}, (), tuple(CHECK_RUN))   # each key changes one of CHECK_RUN's values
     run = {**CHECK_RUN, **(run or {})}
@@ -133,105 +217,157 @@ def bucketed_check(rank, world_size, module, folder, run=None):
         sys.path.insert(0, folder)
     events, recording = [], [False]
     real_all_reduce = dist.all_reduce
-
-    def all_reduce(tensor, *args, **kwargs):   # note when each all-reduce starts and whether it waits
-        if recording[0]:
-            waits_here = not kwargs.get('async_op', args[2] if len(args) > 2 else False)
-            events.append(('all-reduce', tensor.numel(), time.perf_counter(), not waits_here))
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = all_reduce   # before the import, so that `from … import all_reduce` gets it too
+    dist.all_reduce = _record_all_reduce(events, recording)   # before the import, so `from … import` gets it
     try:
-        torch.manual_seed(0)
-        net = resnet18(width=run['width'])
-        gen = torch.Generator().manual_seed(rank)
+        gen = torch.Generator().manual_seed(100 + rank)
         batches = [(torch.randn(run['batch_size'], 1, 28, 28, generator=gen),
-                    torch.randint(0, 10, (run['batch_size'],), generator=gen)) for _ in range(run['steps'])]
-        ddp = DDP(copy.deepcopy(net), bucket_cap_mb=run['bucket_mb'])
-        mine = copy.deepcopy(net)
-        for name, p in mine.named_parameters():   # registered first, so it fires first
-            p.register_post_accumulate_grad_hook(
-                lambda p, name=name: events.append(('gradient', name, time.perf_counter())))
-        ddp_opt = torch.optim.SGD(ddp.parameters(), lr=run['lr'])
-        my_opt = torch.optim.SGD(mine.parameters(), lr=run['lr'])
-        loss_fn = torch.nn.functional.cross_entropy
-        out = {'grad_gap': 0.0, 'steps': [], 'params': len(list(mine.parameters()))}
+                    torch.randint(0, 10, (run['batch_size'],), generator=gen)) for _ in range(run['steps'] + 3)]
+        out = {'passes': []}
         try:
-            sync = importlib.import_module(module).BucketedAllReduce(mine, bucket_mb=run['bucket_mb'])
-            for X, y in batches:
-                ddp_opt.zero_grad()
-                loss_fn(ddp(X), y).backward()
-                ddp_opt.step()
-                my_opt.zero_grad()
-                loss = loss_fn(mine(X), y)
-                events.clear()
-                recording[0] = True
-                loss.backward()
-                sync.finish()
-                recording[0] = False
-                my_opt.step()
-                out['steps'].append(list(events))
-                out['grad_gap'] = max(out['grad_gap'], _gap([p.grad for p in mine.parameters()],
-                                                            [p.grad for p in ddp.module.parameters()]))
+            cls = importlib.import_module(module).BucketedAllReduce
+            torch.manual_seed(rank)   # the ranks start apart: only a broadcast from rank 0 brings them together
+            ddp, mine = _pair(cls, resnet18(width=run['width']), run, out, events, recording)
+            out['params'] = len(list(mine.parameters()))
+            gaps = [_step(ddp, mine, batches[k:k + 1], run['lr'], events, recording, out['passes'])
+                    for k in range(run['steps'])]
+            out['grads'] = max(gaps + [_gap(list(mine.parameters()), list(ddp.module.parameters()))])
+            out['accumulation'] = _step(ddp, mine, batches[run['steps']:run['steps'] + 2], run['lr'], events,
+                                        recording, out['passes'])
+            torch.manual_seed(rank)
+            ddp, mine = _pair(cls, _WithUnusedLayer(resnet18(width=run['width'])), run, {}, [], [False],
+                              find_unused_parameters=True)
+            out['unused'] = _step(ddp, mine, batches[-1:], run['lr'], [], [False], [])
         except NotImplementedError as gap:
             return {'not built': str(gap) or type(gap).__name__}
-        out['param_gap'] = _gap(list(mine.parameters()), list(ddp.module.parameters()))
-        return out if rank == 0 else None
+        if rank:
+            del out['passes']
+        return out
     finally:
         dist.all_reduce = real_all_reduce
 
 
+def _pair(cls, net, run, out, events, recording, **ddp_options):
+    """DDP and the class's model, each a copy of `net`; out['same_start'] is their gap after construction."""
+    ddp = DDP(copy.deepcopy(net), bucket_cap_mb=run['bucket_mb'], **ddp_options)
+    mine = copy.deepcopy(net)
+    for name, p in mine.named_parameters():   # registered before the class's hooks, so it fires first
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: events.append(('gradient', name)) if recording[0] else None)
+    cls(mine, bucket_mb=run['bucket_mb'])   # its hooks keep it alive
+    out['same_start'] = _gap([*mine.parameters(), *mine.buffers()], [*ddp.module.parameters(), *ddp.module.buffers()])
+    mine.load_state_dict(ddp.module.state_dict())   # the other parts start equal, whatever 'same_start' found
+    return ddp, mine
+
+
+def _step(ddp, mine, micro_batches, lr, events, recording, passes):
+    """One SGD step of both models, one backward pass per micro-batch (the class's passes recorded
+    into `passes`); returns the gradients' gap before the step."""
+    loss_fn = torch.nn.functional.cross_entropy
+    for model in (ddp, mine):
+        model.zero_grad()
+    for X, y in micro_batches:
+        loss_fn(ddp(X), y).backward()
+        loss = loss_fn(mine(X), y)
+        events.clear()
+        recording[0] = True
+        loss.backward()
+        recording[0] = False
+        passes.append(list(events))
+    gap = _gap([p.grad for p in mine.parameters()], [p.grad for p in ddp.module.parameters()])
+    for model in (ddp, mine):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return gap
+
+
+def combine(results):
+    """One result from every rank's: the largest of each gap, rank 0's passes and parameter count."""
+    if any('not built' in r for r in results):
+        return next(r for r in results if 'not built' in r)
+    gaps = ('same_start', 'grads', 'accumulation', 'unused')
+    return {**results[0], **{key: max(r[key] for r in results) for key in gaps}}
+
+
+def overlapping(events):
+    """How many all-reduces of one backward pass started before its last gradient was ready and
+    were not waited for before it, and how many there were."""
+    last = max((i for i, (kind, *_) in enumerate(events) if kind == 'gradient'), default=-1)
+    waited_early = {n for kind, n, *_ in events[:last] if kind == 'wait'}
+    started = [(i, n) for i, (kind, n, *_) in enumerate(events) if kind == 'all-reduce']
+    return sum(i < last and n not in waited_early for i, n in started), len(started)
+
+
 def bucketed_parts(result):
-    """{'grads': …, 'overlap': …, 'buckets': …}, each (passed, numbers), from bucketed_check()'s result.
+    """{part: (passed, numbers)} for PARTS, from combine()'s result.
 
-    grads: gradients and parameters within TOLERANCE of DDP's in every step. overlap: in every
-    step at least one all-reduce started with async_op=True (so that backward did not wait for it)
-    before the last gradient was ready. buckets: in every step
-    more than one and fewer all-reduces than there are parameters.
+    start, grads, accumulation, unused: the gap from DDP within TOLERANCE (start: the parameters
+    and buffers after construction; grads: the gradients of each one-pass step and the
+    parameters after them; accumulation: the gradients after two backward passes; unused: the
+    gradients when a layer is skipped). overlap: in every backward pass at least one all-reduce
+    started before the last gradient was ready and was not waited for before it. buckets: in
+    every pass more than one and fewer all-reduces than there are parameters.
     """
-    gap = max(result['grad_gap'], result['param_gap'])
-    early, counts = [], []
-    for events in result['steps']:
-        last = max((i for i, (kind, *_) in enumerate(events) if kind == 'gradient'), default=-1)
-        launches = [i for i, (kind, *_) in enumerate(events) if kind == 'all-reduce']
-        early.append(sum(i < last and events[i][3] for i in launches))
-        counts.append(len(launches))
-    return {'grads': (gap < TOLERANCE, gap),
-            'overlap': (bool(early) and min(early) >= 1, (min(early, default=0), min(counts, default=0))),
-            'buckets': (bool(counts) and all(1 < n < result['params'] for n in counts),
-                        (max(counts, default=0), result['params']))}
+    parts = {part: (result[part] < TOLERANCE, result[part]) for part in PARTS[:4]}
+    counted = [overlapping(events) for events in result['passes']] or [(0, 0)]
+    counts = [n for _, n in counted]
+    parts['overlap'] = (bool(result['passes']) and min(counted)[0] >= 1, min(counted))
+    parts['buckets'] = (bool(result['passes']) and all(1 < n < result['params'] for n in counts),
+                        (min(counts), max(counts), result['params']))
+    return parts
 
 
-def check_bucketed_allreduce(module='my_buckets', folder=None, run=None):
-    """Check `module`.BucketedAllReduce in two gloo processes against DDP; print pass or fail.
+def _part_lines(parts):
+    """One line per part, in the reader's language, each ending with pass or fail."""
+    mark = {True: tr('pass'), False: tr('fail')}
+    # Chinese opens the note with a full-width parenthesis, which needs no space before it
+    allowed = {part: tr('(allowed {tol:.0e}): {mark}', tol=TOLERANCE, mark=mark[ok]).replace('(', ' (')
+               for part, (ok, _) in parts.items()}
+    gap = {part: numbers for part, (_, numbers) in parts.items()}
+    (early, count), (fewest, most, params) = gap['overlap'], gap['buckets']
+    return [
+        tr('start: parameters and buffers after construction against rank 0\'s (DDP broadcasts them), largest '
+           'difference {gap:.1e} of the largest value', gap=gap['same_start']) + allowed['same_start'],
+        tr('gradients and parameters, one backward pass per step, against DDP: largest difference {gap:.1e} of '
+           'the largest value', gap=gap['grads']) + allowed['grads'],
+        tr('gradient accumulation, two backward passes before a step, against DDP: largest difference {gap:.1e} '
+           'of the largest value', gap=gap['accumulation']) + allowed['accumulation'],
+        tr('a layer that gets no gradient, against DDP with find_unused_parameters=True: largest difference '
+           '{gap:.1e} of the largest value', gap=gap['unused']) + allowed['unused'],
+        tr('overlap: in the worst backward pass, {early} of {n} all-reduces started before the last gradient and '
+           'were not waited for before it (at least 1 needed in every pass): {mark}',
+           early=early, n=count, mark=mark[parts['overlap'][0]]),
+        tr('buckets: all-reduces per backward pass, fewest {lo}, most {hi}, for {p} parameters (more than 1 and '
+           'fewer than {p} needed): {mark}', lo=fewest, hi=most, p=params, mark=mark[parts['buckets'][0]]),
+    ]
+
+
+def check_bucketed_allreduce(module='my_buckets', folder=None, run=None, procs=2):
+    """Check `module`.BucketedAllReduce in `procs` gloo processes against DDP; print pass or fail.
 
     `module` is a module name, importable from `folder` (default: this folder), such as
-    the my_buckets.py a notebook cell writes. Prints, in the notebook's language, whether the
-    gradients and parameters equal DDP's, whether some all-reduce started before the backward
-    pass ended, and whether the gradients went in buckets; or that the class is not built yet.
-    Returns 'pass', 'fail' or 'not built' (a string that a notebook does not echo).
+    the my_buckets.py a notebook cell writes. Prints, in the notebook's language, one line per
+    part of bucketed_parts() with pass or fail, and a Result line; or that the class is not built
+    yet. Returns 'pass', 'fail' or 'not built' (a string that a notebook does not echo).
     """
     run_keys(run or {}, (), tuple(CHECK_RUN))   # here, before any process starts
+    if not isinstance(procs, int) or procs < 2:
+        raise ValueError(f'procs must be an integer of at least 2, got {procs!r}')
     run = {**CHECK_RUN, **(run or {})}
-    result = launch(bucketed_check, 2, module, os.path.abspath(folder or os.getcwd()), run,
-                    threads=1, timeout=120, op_timeout=60)[0]
-    print(tr('Check of {module}.BucketedAllReduce: 2 processes (gloo), ResNet-18 of width {w}, {steps} steps, '
-             'buckets of {mb} MiB', module=module, w=run['width'], steps=run['steps'], mb=run['bucket_mb']))
+    result = combine(launch(bucketed_check, procs, module, os.path.abspath(folder or os.getcwd()), run,
+                            threads=1, timeout=120, op_timeout=60))
+    print(tr('Check of {module}.BucketedAllReduce: {procs} processes (gloo), ResNet-18 of width {w}, '
+             '{steps} steps and one of two micro-batches, buckets of {mb} MiB', module=module, procs=procs,
+             w=run['width'], steps=run['steps'], mb=run['bucket_mb']))
     if 'not built' in result:
         print(tr('not built yet: {why}; fill in the gaps marked GAP and run the check again', why=result['not built']))
         return Case('not built')
     parts = bucketed_parts(result)
-    mark = {True: tr('pass'), False: tr('fail')}
-    ok, gap = parts['grads']
-    print('  ' + tr('gradients and parameters against DDP: largest difference {gap:.1e} of the largest value '
-                    '(allowed {tol:.0e}): {mark}', gap=gap, tol=TOLERANCE, mark=mark[ok]))
-    ok, (early, count) = parts['overlap']
-    print('  ' + tr('overlap: {early} of {n} all-reduces started without waiting (async_op=True) before backward '
-                    'had its last gradient (at least 1 needed): {mark}', early=early, n=count, mark=mark[ok]))
-    ok, (count, params) = parts['buckets']
-    print('  ' + tr('buckets: {n} all-reduces per step for {p} parameters (more than 1, fewer than {p} needed): '
-                    '{mark}', n=count, p=params, mark=mark[ok]))
-    names = {'grads': tr('the gradients'), 'overlap': tr('the overlap'), 'buckets': tr('the buckets')}
+    for line in _part_lines(parts):
+        print('  ' + line)
+    names = {'same_start': tr('the start'), 'grads': tr('the gradients'), 'accumulation': tr('the accumulation'),
+             'unused': tr('the unused layer'), 'overlap': tr('the overlap'), 'buckets': tr('the buckets')}
     failed = [names[part] for part, (ok, _) in parts.items() if not ok]
     print(tr('Result: pass') if not failed else tr('Result: fail ({parts})', parts=', '.join(failed)))
     return Case('fail' if failed else 'pass')

@@ -157,7 +157,7 @@ def plot_push_pull(servers, workers, show_steps=(1, 2, 3)):
                                            ((xs + 0.02, ys), (xw + 0.02, yw), 'tab:green', pull, 'pull')):
                 net.add_patch(FancyArrowPatch(a, b, arrowstyle='-|>', mutation_scale=10, shrinkA=16,
                                               shrinkB=16, color=color))
-                label = net.text(a[0] + at * (b[0] - a[0]), a[1] + at * (b[1] - a[1]), f'{size / 1e3:.1f} kB',
+                label = net.text(a[0] + at * (b[0] - a[0]), a[1] + at * (b[1] - a[1]), f'{size / 1e3:.1f} KB',
                                  color=color, fontsize=7, ha='center', va='center', zorder=2,
                                  bbox=dict(facecolor='white', edgecolor='none', pad=0.3))
                 label.set_gid(gid)

@@ -151,8 +151,9 @@ def plot_fsdp_timeline(results, title=None):
         bottom.step([1e3 * s for s in t], [b / 1e3 for b in held], where='post', color=f'C{2 * rank}',
                     label=tr('rank {r}, held', r=rank))
     bottom.axhline(sum(results[0]['shard']) / 1e3, color='grey', ls=':', lw=1)
-    bottom.text(0, sum(results[0]['shard']) / 1e3, tr('all layers sharded'), color='grey', fontsize=7,
-                va='bottom')
+    # the label sits in the right margin, beside its dotted line, clear of the lines that start at 0
+    bottom.text(1.01, sum(results[0]['shard']) / 1e3, tr('all layers sharded'), color='grey', fontsize=7,
+                va='center', ha='left', transform=bottom.get_yaxis_transform(), clip_on=False)
     bottom.set(xlabel=tr('time ({unit})', unit='ms'), ylabel=tr('parameter KB held'))
     bottom.legend(fontsize=7, loc='upper right')
     bottom.grid(True, alpha=0.3)

@@ -4,7 +4,7 @@ calculator's static figure.
 """
 import torch
 
-from comp_perf.language import tr
+from comp_perf.language import course_language, tr
 from comp_perf.pictures import bar_rows
 
 PRECISIONS = {  # bytes per parameter: (weights, gradients, Adam's state)
@@ -89,6 +89,12 @@ def saved_activation_bytes(fn, *args, exclude=()):
     return result, sum(sizes)
 
 
+def parameter_count(n):
+    """A parameter count as each language writes it: 7.5e9 is '7.5B' in English, '75 亿' in Chinese."""
+    unit = 1e8 if course_language() == 'zh' else 1e9   # Chinese counts large numbers in units of 10⁸
+    return tr('{n:g}B', n=n / unit)
+
+
 def memory_calculator(params_b=7.5, ranks=64, stage=3, precision='bf16 mixed', device_gb=80):
     """An ipywidgets calculator: sliders for zero_memory's inputs, a bar per part and a verdict."""
     import ipywidgets as widgets
@@ -142,8 +148,9 @@ def memory_figure(**values):
     ax.invert_yaxis()
     ax.set(xlabel=tr('GB per rank'),
            title=tr('static figure at the calculator\'s starting values') + '\n'
-           + tr('{p:g}B parameters, {n} ranks, ZeRO stage {s}, {prec}; dashed: the device\'s {d:g} GB',
-                p=v['params_b'], n=v['ranks'], s=v['stage'], prec=v['precision'], d=v['device_gb']))
+           + tr('{size} parameters, {n} ranks, ZeRO stage {s}, {prec}; dashed: the device\'s {d:g} GB',
+                size=parameter_count(v['params_b'] * 1e9), n=v['ranks'], s=v['stage'], prec=tr(v['precision']),
+                d=v['device_gb']))
     ax.title.set_fontsize(8)
     fig.tight_layout()
     return fig

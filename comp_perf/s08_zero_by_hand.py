@@ -16,51 +16,100 @@ from comp_perf.s08_beyond_data_parallel import mlp, teacher_batches
 from comp_perf.s08_memory import local_bytes
 
 
-class Zero1:
+class Zero1(torch.optim.Optimizer):
     """ZeRO stage 1 over the default process group: each rank updates 1/N of the parameters.
 
-    Zero1(model.parameters(), torch.optim.Adam, lr=1e-3) is used like an
-    optimiser: after loss.backward() on this rank's part of the batch, step()
-    averages the gradients over the ranks, updates this rank's shard with its
-    own optimiser (whose state covers the shard only), and gathers the whole
-    parameters back on every rank.
+    Zero1(model.parameters(), torch.optim.Adam, lr=1e-3) is a torch.optim.Optimizer:
+    params may be tensors or param-group dicts ({'params': ..., 'lr': ...}), an
+    LR scheduler drives it, zero_grad() clears the gradients. After loss.backward()
+    on this rank's part of the batch, step() averages the gradients over the ranks,
+    updates this rank's shard of each group with an inner optimiser_class (whose
+    state covers the shards only) and gathers the whole parameters back on every rank.
+
+    Each param group is flattened into one buffer padded to N equal shards; rank r
+    keeps shard r of it, a copy of its own. Every parameter given is trained.
+    state_dict() is this rank's shard of the optimiser state only (the inner
+    optimiser's); a checkpoint is one file per rank, loaded by the same rank of
+    the same number of ranks. (torch's ZeroRedundancyOptimizer gathers the whole
+    state on one rank with consolidate_state_dict; this class does not.)
     """
 
     def __init__(self, params, optimizer_class, **defaults):
-        self.params = [p for p in params if p.requires_grad]
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.numel = sum(p.numel() for p in self.params)
-        self.shard_numel = -(-self.numel // self.world)      # ceil: N equal shards, the last one padded
-        flat = self.flatten([p.detach() for p in self.params])
-        start = self.rank * self.shard_numel
-        # this rank's shard: a flat copy of its slice of the parameters, the only thing its optimiser sees
-        self.shard = flat[start:start + self.shard_numel].clone().requires_grad_()
-        self.optimizer = optimizer_class([self.shard], **defaults)
+        self.optimizer_class, self.optimizer, self.shards = optimizer_class, None, []
+        super().__init__(params, defaults)   # checks the groups, then hands each to add_param_group
+
+    def add_param_group(self, param_group):
+        """Add a group (torch's checks and defaults), shard it, and give the shard to the inner optimiser."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self.shards.append(self.shard_of(group['params']))
+        inner = dict(group, params=[self.shards[-1]])   # the group's hyperparameters, over its shard only
+        if self.optimizer is None:
+            self.optimizer = self.optimizer_class([inner])
+        else:
+            self.optimizer.add_param_group(inner)
 
     def flatten(self, tensors):
-        """The tensors laid end to end in one buffer of N shards (zeros in the padding)."""
-        flat = torch.zeros(self.world * self.shard_numel, dtype=self.params[0].dtype)
-        flat[:self.numel] = torch.cat([t.reshape(-1) for t in tensors])
+        """The tensors laid end to end in one buffer of N equal shards (zeros in the padding)."""
+        numel = sum(t.numel() for t in tensors)
+        flat = torch.zeros(self.world * -(-numel // self.world), dtype=tensors[0].dtype)   # ceil
+        flat[:numel] = torch.cat([t.reshape(-1) for t in tensors])
         return flat
 
-    @torch.no_grad()
-    def step(self):
-        grads = self.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
-        grad_shard = torch.empty(self.shard_numel, dtype=grads.dtype)
+    def shard_of(self, params):
+        """This rank's shard of the flattened params: a copy of its own, the only thing its optimiser sees."""
+        flat = self.flatten([p.detach() for p in params])
+        size = flat.numel() // self.world
+        start = self.rank * size
+        # a clone, not a view: a view would keep the whole flat buffer alive on every rank
+        return flat[start:start + size].clone().requires_grad_()
+
+    def average_shard(self, params):
+        """This rank's shard of the gradients of params, averaged over the ranks."""
+        grads = self.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+        grad_shard = torch.empty(grads.numel() // self.world, dtype=grads.dtype)
         dist.reduce_scatter_single(grad_shard, grads, op=dist.ReduceOp.SUM)   # my shard of the sum
-        grad_shard /= self.world                                # the sum over ranks -> their average
-        self.shard.grad = grad_shard
-        self.optimizer.step()                                   # updates my shard only
-        whole = torch.empty(self.world * self.shard_numel, dtype=grads.dtype)
-        dist.all_gather_single(whole, self.shard.detach())      # every rank's updated shard
+        return grad_shard / self.world                                        # the sum -> the average
+
+    def gather(self, params, shard):
+        """Every rank's updated shard, laid end to end and copied back into params."""
+        whole = torch.empty(self.world * shard.numel(), dtype=shard.dtype)
+        dist.all_gather_single(whole, shard.detach())
         offset = 0
-        for p in self.params:
+        for p in params:
             p.copy_(whole[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
 
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
+    def pass_hyperparameters_on(self):
+        """Copy each group's lr (and the rest) to the inner optimiser: a scheduler changes self.param_groups."""
+        for group, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update({key: value for key, value in group.items() if key != 'params'})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.pass_hyperparameters_on()
+        for group, shard in zip(self.param_groups, self.shards):
+            shard.grad = self.average_shard(group['params'])
+        self.optimizer.step()                                   # updates my shards only
+        for group, shard in zip(self.param_groups, self.shards):
+            self.gather(group['params'], shard)
+        return loss
+
+    def state_dict(self):
+        """This rank's shard of the optimiser state: the inner optimiser's state_dict."""
+        self.pass_hyperparameters_on()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Load what state_dict() returned on this rank, hyperparameters included."""
+        self.optimizer.load_state_dict(state_dict)
+        for group, inner in zip(self.param_groups, self.optimizer.param_groups):
+            group.update({key: value for key, value in inner.items() if key != 'params'})
 
 
 def _load(source):
@@ -79,39 +128,81 @@ def _state_bytes(optimizer):
     return local_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
+def _two_groups(model, lr):
+    """Param groups as dicts, with two learning rates: the first layer at lr, the rest at lr / 2."""
+    return [dict(params=model[0].parameters(), lr=lr), dict(params=model[1:].parameters(), lr=lr / 2)]
+
+
+def _train(make_optimizer, run, part, grouped=False):
+    """(optimiser, model) after run['steps'] steps of the MLP on batches (the part of each given by `part`).
+
+    make_optimizer(params) builds the optimiser; with grouped=True it gets two
+    param groups as dicts, and a StepLR halves every group's lr after each step.
+    """
+    model = mlp(run['widths'])
+    params = _two_groups(model, run['lr']) if grouped else model.parameters()
+    optimizer = make_optimizer(params)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) if grouped else None
+    for x, y in teacher_batches(run['steps'], run['batch_size'], run['widths'][0], run['widths'][-1]):
+        torch.nn.functional.cross_entropy(*part(model, x, y)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler:
+            scheduler.step()
+    return optimizer, model
+
+
+def _difference(model, reference):
+    """Largest parameter difference between two models, relative to the reference's largest parameter."""
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    return diff / max(p.abs().max().item() for p in reference.parameters())
+
+
+def _as_optimizer(Zero1, run, whole, mine, cls, defaults):
+    """Part (d): two param groups as dicts and a StepLR, against the unsharded optimiser; or the error."""
+    try:
+        zero, model = _train(lambda params: Zero1(params, cls, **defaults), run, mine, grouped=True)
+    except (TypeError, AttributeError, KeyError, ValueError) as error:   # not an Optimizer, or no groups
+        return dict(problem=f'{type(error).__name__}: {error}')
+    _, reference = _train(lambda params: cls(params, **defaults), run, whole, grouped=True)
+    return dict(diff=_difference(model, reference))
+
+
 def zero1_check_worker(rank, world_size, run):
     """Worker for launch(): a Zero1 class from run['source'] trained against plain single-process training.
 
-    Every rank builds the same small MLP and a copy of it; the copy is trained by
-    the unsharded optimiser on the whole batch, the model by Zero1 on this rank's
+    Every rank builds the same small MLP twice; one copy is trained by the
+    unsharded optimiser on the whole batch, the other by Zero1 on this rank's
     part of it. Both optimisers of run['optimizers'] are tried: Adam (whose update
     hardly changes when every gradient is scaled, so it cannot tell whether the
     gradients were averaged) and SGD with momentum (which can). Returns, per
-    optimiser, the largest parameter difference (relative to the largest parameter)
-    and the bytes of optimiser state on this rank and in the unsharded optimiser;
-    or {'not_built': message} when the file still raises NotImplementedError.
+    optimiser, the largest parameter difference (relative to the largest
+    parameter), the bytes of optimiser state on this rank and in the unsharded
+    optimiser, and the bytes the shards occupy over the bytes of the parameters;
+    under 'optimizer', part (d): the difference after a run with two param groups
+    and a StepLR (SGD), or the error that run raised; or {'not_built': message}
+    when the file still raises NotImplementedError.
     """
     run_keys(run, ('source', 'widths', 'batch_size', 'steps', 'lr', 'optimizers'))
+    if run['batch_size'] % world_size:
+        raise ValueError(f"batch_size {run['batch_size']} does not split evenly over {world_size} ranks.")
     warnings.filterwarnings('ignore', category=FutureWarning)   # older collective names, if a student uses them
+    whole = lambda model, x, y: (model(x), y)                                          # noqa: E731
+    mine = lambda model, x, y: (model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])   # noqa: E731
     try:
         Zero1 = _load(run['source']).Zero1
         out = {}
         for name in run['optimizers']:
             cls, defaults = {'Adam': (torch.optim.Adam, dict(lr=run['lr'])),
                              'SGD': (torch.optim.SGD, dict(lr=10 * run['lr'], momentum=0.9))}[name]
-            model, reference = mlp(run['widths']), mlp(run['widths'])
-            opt, ref_opt = Zero1(model.parameters(), cls, **defaults), cls(reference.parameters(), **defaults)
-            for x, y in teacher_batches(run['steps'], run['batch_size'], run['widths'][0], run['widths'][-1]):
-                torch.nn.functional.cross_entropy(reference(x), y).backward()   # the whole batch, one process
-                ref_opt.step()
-                ref_opt.zero_grad()
-                xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]  # this rank's part
-                torch.nn.functional.cross_entropy(model(xs), ys).backward()
-                opt.step()
-                opt.zero_grad()
-            diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
-            scale = max(p.abs().max().item() for p in reference.parameters())
-            out[name] = dict(diff=diff / scale, state=_state_bytes(opt.optimizer), full_state=_state_bytes(ref_opt))
+            zero, model = _train(lambda params: Zero1(params, cls, **defaults), run, mine)
+            unsharded, reference = _train(lambda params: cls(params, **defaults), run, whole)
+            shards = [p for group in zero.optimizer.param_groups for p in group['params']]
+            out[name] = dict(diff=_difference(model, reference), state=_state_bytes(zero.optimizer),
+                             full_state=_state_bytes(unsharded),
+                             shard_share=local_bytes(shards) / local_bytes(model.parameters()))
+        out['optimizer'] = _as_optimizer(Zero1, run, whole, mine, torch.optim.SGD,
+                                         dict(lr=10 * run['lr'], momentum=0.9))
         return out
     except NotImplementedError as gap:
         return {'not_built': str(gap) or 'NotImplementedError'}
@@ -121,14 +212,22 @@ def check_zero1(source, procs=2, tol=1e-5, steps=3):
     """Run a Zero1 class on `procs` gloo processes and print pass or fail; True when it passes.
 
     source: the path of a student's file (e.g. 'artifacts/my_zero1.py') or the
-    module name of the reference ('comp_perf.s08_zero_by_hand'). Passes when
-    (a) after `steps` steps, with Adam and with SGD + momentum, every rank's
-    parameters equal those of the unsharded optimiser on the whole batch within
-    `tol` of the largest parameter, and (b) every rank's Adam state is 1/procs of
-    the unsharded optimiser's, within 10 %. A file whose gaps still raise
-    NotImplementedError prints "not built yet", not a traceback.
+    module name of the reference ('comp_perf.s08_zero_by_hand'). The model has
+    833 parameters (7² × 17), so its shards are uneven over 2 or 3 ranks and the
+    padding is used. The batch is 16 rows per process: the average over the ranks
+    of each rank's mean loss gradient is the whole batch's only when the parts are
+    equal (32 rows over 3 ranks would split 11/11/10). Passes when, after `steps`
+    steps, (a) every rank's parameters equal those of the unsharded optimiser on
+    the whole batch within `tol` of the largest parameter, with Adam and with SGD
+    + momentum; (b) every rank's Adam state is 1/procs of the unsharded
+    optimiser's, within 10 %; (c) the shards its optimiser updates occupy 1/procs
+    of the parameters' bytes, within 10 % (a view of the whole flat buffer, not a
+    clone, occupies all of them); (d) it is a torch.optim.Optimizer: given two
+    param groups as dicts with two lrs and driven by a StepLR, it matches the
+    unsharded SGD within `tol`. A file whose gaps still raise NotImplementedError
+    prints "not built yet", not a traceback.
     """
-    run = dict(source=str(source), widths=[16, 32, 8], batch_size=32, steps=steps, lr=1e-2,
+    run = dict(source=str(source), widths=[16, 33, 8], batch_size=16 * procs, steps=steps, lr=1e-2,
                optimizers=('Adam', 'SGD'))
     try:
         results = launch(zero1_check_worker, procs, run, threads=1, timeout=60, op_timeout=10)
@@ -143,19 +242,61 @@ def check_zero1(source, procs=2, tol=1e-5, steps=3):
                  'cell again, then this one)', n=number.group(1)) if number else
               tr('not built yet: {gap}', gap=gaps[0]))
         return False
+    parts = [_same_parameters(results, run['optimizers'], steps, tol), _state_shares(results, procs),
+             _shard_memory(results, procs), _optimizer_part(results, tol)]
+    print(tr('ZeRO-1 by hand: pass') if all(parts) else tr('ZeRO-1 by hand: fail'))
+    return all(parts)
+
+
+def _verdict(ok):
+    return tr('pass') if ok else tr('FAIL')
+
+
+def _same_parameters(results, optimizers, steps, tol):
+    """Part (a): print one line per optimiser; True when every rank's parameters are within tol."""
     ok = True
-    worst = {name: max(r[name]['diff'] for r in results) for name in run['optimizers']}
-    for name, diff in worst.items():
-        same = diff <= tol
-        ok &= same
+    for name in optimizers:
+        diff = max(r[name]['diff'] for r in results)
+        ok &= diff <= tol
         print(tr('{verdict} (a) {opt}: parameters after {k} steps differ from the unsharded optimiser\'s by '
                  '{d:.1e} of the largest parameter (allowed {tol:.0e})',
-                 verdict=tr('pass') if same else tr('FAIL'), opt=name, k=steps, d=diff, tol=tol))
-    ratios = [r['Adam']['state'] / r['Adam']['full_state'] for r in results]
-    shared = all(abs(ratio * procs - 1) <= 0.1 for ratio in ratios)
-    ok &= shared
-    print(tr('{verdict} (b) Adam state per rank: {ratios} of the unsharded optimiser\'s (should be about 1/{n})',
-             verdict=tr('pass') if shared else tr('FAIL'), n=procs,
-             ratios=tr(', ').join(f'{ratio:.3f}' for ratio in ratios)))
-    print(tr('ZeRO-1 by hand: pass') if ok else tr('ZeRO-1 by hand: fail'))
+                 verdict=_verdict(diff <= tol), opt=name, k=steps, d=diff, tol=tol))
     return ok
+
+
+def _near_share(ratios, procs):
+    """Whether every ratio is 1/procs within 10 %."""
+    return all(abs(ratio * procs - 1) <= 0.1 for ratio in ratios)
+
+
+def _state_shares(results, procs):
+    """Part (b): each rank's Adam state over the unsharded optimiser's, about 1/procs."""
+    ratios = [r['Adam']['state'] / r['Adam']['full_state'] for r in results]
+    print(tr('{verdict} (b) Adam state per rank: {ratios} of the unsharded optimiser\'s (should be about 1/{n})',
+             verdict=_verdict(_near_share(ratios, procs)), n=procs,
+             ratios=tr(', ').join(f'{ratio:.3f}' for ratio in ratios)))
+    return _near_share(ratios, procs)
+
+
+def _shard_memory(results, procs):
+    """Part (c): the memory each rank's shards occupy over the parameters' bytes, about 1/procs."""
+    ratios = [r['Adam']['shard_share'] for r in results]
+    print(tr('{verdict} (c) shard memory per rank: {ratios} of the parameters\' bytes (should be about 1/{n}; '
+             'a view of the flat buffer instead of a copy keeps all of it)',
+             verdict=_verdict(_near_share(ratios, procs)), n=procs,
+             ratios=tr(', ').join(f'{ratio:.3f}' for ratio in ratios)))
+    return _near_share(ratios, procs)
+
+
+def _optimizer_part(results, tol):
+    """Part (d): two param groups as dicts and a StepLR, against the unsharded SGD."""
+    problems = [r['optimizer']['problem'] for r in results if 'problem' in r['optimizer']]
+    if problems:
+        print(tr('FAIL (d) as a torch.optim.Optimizer: with two param groups as dicts and a StepLR it raised '
+                 '{error}', error=problems[0]))
+        return False
+    diff = max(r['optimizer']['diff'] for r in results)
+    print(tr('{verdict} (d) as a torch.optim.Optimizer: with two param groups as dicts (two lrs) and a StepLR, '
+             'parameters differ from the unsharded SGD\'s by {d:.1e} of the largest parameter (allowed {tol:.0e})',
+             verdict=_verdict(diff <= tol), d=diff, tol=tol))
+    return diff <= tol

@@ -211,17 +211,23 @@ def python_of(cell):
     return '\n'.join(lines) if not cell.source.lstrip().startswith('%%') else ''
 
 
+def dropped_cells(stem, cells, drops):
+    """Indices of the cells a cut drops from one notebook: each dropped heading up to the next heading
+    (the set-up cells above a first section stay)."""
+    dropped = set()
+    heads = lp.headings(cells)
+    for name in [n for s, n in drops if s == stem]:
+        k = [n for _, n in heads].index(name)
+        end = heads[k + 1][0] if k + 1 < len(heads) else len(cells)
+        dropped |= set(range(heads[k][0], end))
+    return dropped
+
+
 def cut_problems(english, drops):
     """Names a kept cell of the six-lecture cut reads that only a dropped cell before it binds."""
     problems = []
     for stem, cells in english.items():
-        dropped = set()
-        heads = lp.headings(cells)
-        for name in [n for s, n in drops if s == stem]:
-            # from the dropped heading to the next one: the set-up cells above a first section stay
-            k = [n for _, n in heads].index(name)
-            end = heads[k + 1][0] if k + 1 < len(heads) else len(cells)
-            dropped |= set(range(heads[k][0], end))
+        dropped = dropped_cells(stem, cells, drops)
         only_dropped, kept_bound = set(), set()
         for i, cell in enumerate(cells):
             if cell.cell_type != 'code':
@@ -245,6 +251,55 @@ def test_a_cut_that_drops_what_a_kept_cell_needs_is_found(stored_en):
     drops = list(lp.CUT_DROPS) + [('09-one-training-step', 'The first draft')]
     found = cut_problems(stored_en, drops)
     assert any(p.startswith('09-one-training-step') and 'make_step' in p for p in found), found
+
+
+def cut_notebook(stem, cells, drops):
+    """The English notebook as the cut teaches it: its kept cells, in order, outputs cleared."""
+    import copy
+
+    import nbformat
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = {'kernelspec': nbpair.KERNELSPEC, 'language_info': {'name': 'python'}}
+    dropped = dropped_cells(stem, cells, drops)
+    for i, cell in enumerate(cells):
+        if i not in dropped:
+            kept = copy.deepcopy(cell)
+            if kept.cell_type == 'code':
+                kept.outputs, kept.execution_count = [], None
+            nb.cells.append(kept)
+    return nb
+
+
+def sections_cut_before_kept_code(english, drops):
+    """Notebooks where a kept code cell follows a dropped part: only there can a cut break a later cell.
+    (A drop with nothing kept after it leaves a prefix of the notebook, which nbval already runs.)"""
+    found = []
+    for stem, cells in english.items():
+        dropped = dropped_cells(stem, cells, drops)
+        if dropped and any(c.cell_type == 'code' and i > min(dropped) and i not in dropped
+                           for i, c in enumerate(cells)):
+            found.append(stem)
+    return sorted(found)
+
+
+CUT_EXECUTED = ['03-automatic-parallelism', '04-hardware', '06-multi-gpu-concise', '09-one-training-step']
+
+
+def test_the_cut_is_executed_wherever_it_drops_a_part_before_kept_code(stored_en):
+    # a new drop before kept code must be added to CUT_EXECUTED, so that the test below runs it
+    assert sections_cut_before_kept_code(stored_en, lp.CUT_DROPS) == CUT_EXECUTED
+
+
+@pytest.mark.procs
+@pytest.mark.notebooks
+@pytest.mark.parametrize('stem', CUT_EXECUTED)
+def test_the_six_lecture_cut_executes_top_to_bottom(stem, stored_en):
+    """Run All of the cut: the kept cells of the notebook, in order, in the course's kernel."""
+    from nbclient import NotebookClient
+    nb = cut_notebook(stem, stored_en[stem], lp.CUT_DROPS)
+    NotebookClient(nb, timeout=600, kernel_name=nbpair.KERNELSPEC['name'],
+                   resources={'metadata': {'path': str(ROOT / 'notebooks' / 'en')}}).execute()
+    assert len(nb.cells) < len(stored_en[stem])   # something was dropped, and the rest ran
 
 
 # --- the guide's prose agrees with the plan ----------------------------------------------------

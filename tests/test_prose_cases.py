@@ -46,7 +46,7 @@ HEDGES = {
                      r"unless|which|whichever|would|until|once|only where)\b", re.I),
     'zh': re.compile(r'如果|若|是否|可能|也许|结论|取决于|哪一|哪个|还是|或者|或|要么|能否|会不会|一旦|只要|只有|时，'),
 }
-SENTENCE_END = {'en': re.compile(r'(?<=[.!?;:])\s+'), 'zh': re.compile(r'(?<=[。！？；])')}
+SENTENCE_END = {'en': re.compile(r'(?<=[.!?;:])\s+|\n\s*\n'), 'zh': re.compile(r'(?<=[。！？；：])|\n\s*\n')}
 
 
 def sentences(text, lang):

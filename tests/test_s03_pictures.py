@@ -28,6 +28,18 @@ def test_tasks_sit_at_their_depth_on_their_resource_row():
     assert len([p for p in ax.patches if isinstance(p, matplotlib.patches.FancyArrowPatch)]) == 4
 
 
+def test_labels_are_the_names_a_reader_sees_broken_and_clear_of_the_edges():
+    lanes = ['CPU', 'GPU']
+    graph = _graph([('split', 'forward 1 (GPU)'), ('forward 1 (GPU)', 'send grad from GPU')],
+                   {'split': 'CPU', 'forward 1 (GPU)': 'GPU', 'send grad from GPU': 'CPU'})
+    names = {'split': '拆分', 'forward 1 (GPU)': '前向 1（GPU）', 'send grad from GPU': 'send grad from GPU'}
+    ax = common.plot_dependency_graph(graph, lanes, names=names.get)
+    labels = {t.get_text(): t for t in ax.texts}
+    assert set(labels) == {'拆分', '前向 1\n（GPU）', 'send grad\nfrom GPU'}
+    assert labels['拆分'].get_va() == 'bottom' and labels['前向 1\n（GPU）'].get_va() == 'top'   # top row: above
+    assert all(t.get_zorder() > 2 and t.get_bbox_patch() is not None for t in ax.texts)        # over the edges
+
+
 def test_a_task_on_an_unknown_resource_or_a_cycle_is_refused():
     with pytest.raises(ValueError, match="not lanes: \\['disk'\\]"):
         common.plot_dependency_graph(_graph([('a', 'b')], {'a': 'CPU', 'b': 'disk'}), ['CPU'])
@@ -76,3 +88,15 @@ def test_the_overlap_timeline_records_every_product_and_copy_in_order():
         assert {lane for lane, *_ in ns['traces']['serial']} == {'copy'}    # each run replaces the way's spans
     finally:
         pools[0].shutdown()
+
+
+def test_the_pages_task_names_read_in_the_notebooks_language(monkeypatch):
+    from notebook_code import definitions
+    shown = definitions('03-automatic-parallelism', 'shown')['shown']
+    tasks = ['split batch', 'send X to GPU 2', 'forward 1 (GPU 1)', 'backward 2 (GPU 2)', 'send grad 2 from GPU 1',
+             'sum grad 1', 'update W2', 'my own task']
+    monkeypatch.setenv('COURSE_LANG', 'en')
+    assert [shown(t) for t in tasks] == tasks
+    monkeypatch.setenv('COURSE_LANG', 'zh')
+    assert [shown(t) for t in tasks] == ['拆分批量', '把 X 发往 GPU 2', '前向 1（GPU 1）', '反向 2（GPU 2）',
+                                         '发送梯度 2（来自 GPU 1）', '汇总梯度 1', '更新 W2', 'my own task']

@@ -121,3 +121,31 @@ def test_the_plots_and_print_outs_run_and_say_what_they_measured(capsys, monkeyp
     assert '989.5   71%' in out                            # 700 of the H100's 989.5 dense BF16 TFLOP/s
     assert 'not in common.GPU_DATASHEETS' in out
     assert 'physical cores' in out and 'data caches: ' in out and 'GPU: ' in out
+
+
+def test_the_cache_labels_sit_above_every_data_point(monkeypatch):
+    """The latency curve climbs to its top right at the last cache: its label must not sit on those points."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, 'show', lambda: figures.append(plt.gcf()))
+    sizes = [2 ** p for p in range(12, 28)]
+    latency = [1, 1, 1, 1, 5, 5, 5, 5, 5, 15, 15, 15, 15, 150, 160, 170]   # the top points next to L3
+    caches = {'L1': 2**15, 'L2': 2**20, 'L3': 2**25}
+    common.plot_by_size(sizes, latency, caches, label='chase', ylabel='ns', title='latency', log_y=True)
+    common.plot_by_size(sizes, latency[::-1], caches, label='read', ylabel='GB/s', title='sweep')
+    for figure in figures:
+        figure.canvas.draw()
+        ax = figure.axes[0]
+        labels_bottom = min(text.get_window_extent().y0 for text in ax.texts)
+        points_top = max(y for _, y in ax.transData.transform(ax.lines[0].get_xydata())) + 4   # marker radius
+        assert points_top < labels_bottom
+    plt.close('all')
+
+
+def test_cache_sizes_print_in_the_largest_whole_unit(capsys):
+    cpu = dict(model='test CPU', cores=2, threads=4, clock_ghz=None, clock_source=None, vector_bits=256, fma=True,
+               caches={'L1': 48 * 2**10, 'L2': 2**20, 'L3': 32 * 2**20})
+    common.describe_cpu(cpu)
+    assert 'data caches: L1 48 KiB, L2 1 MiB, L3 32 MiB' in capsys.readouterr().out

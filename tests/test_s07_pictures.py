@@ -102,7 +102,7 @@ def test_the_push_pull_picture_labels_its_arrows_with_the_measured_bytes():
     net, timeline = fig.axes
     for gid in ('push', 'pull'):
         shown = sorted(t.get_text() for t in net.texts if t.get_gid() == gid)
-        assert shown == ['0.2 kB', '0.2 kB', '0.4 kB', '0.4 kB']   # one arrow per worker and server
+        assert shown == ['0.2 KB', '0.2 KB', '0.4 KB', '0.4 KB']   # one arrow per worker and server
     # steps 1-3: per worker a compute and a push-pull span (12), per server a wait and an update (12)
     assert len(timeline.collections) == 24
 
