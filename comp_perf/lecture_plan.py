@@ -100,7 +100,7 @@ SIX_LECTURES = [
                 Part('05-multi-gpu-from-scratch', 'Summary', 'Summary'),
                 Part('06-multi-gpu-concise', 'A ResNet-18 for 28×28 images', 'A ResNet-18 for 28×28 images'),
                 Part('06-multi-gpu-concise', '`DistributedDataParallel` under `torchrun`', 'Summary')],
-            homework=(('05', 4), ('06', BUILD), ('06', 2)), merges=(5, 6)),
+            homework=(('05', 4), ('06', BUILD), ('06', 6)), merges=(5, 6)),
     Lecture(5, [Part('07-parameter-servers', 'Where should the gradients be added up?',
                      'A ring all-reduce for real'),
                 Part('07-parameter-servers', 'Summary', 'Summary'),
