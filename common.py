@@ -83,3 +83,7 @@ from comp_perf.s09_training_step import (PHASES, wait_for_device, trace_spans, p
                                          self_time_share, calls_per_step, input_types, step_peak_bytes,
                                          matmul_peak, datasheet_peak, print_rows, plot_payoff)
 from comp_perf.s09_faster_step import slow_step, check_faster_step, fast_step
+
+# 10 Attention and generation — FlashAttention's tiles, graded
+from comp_perf.s10_flash_attention import (flash_attention, flash_attention_backward, check_flash_attention,
+                                           check_flash_backward, peak_allocated, show_flash_solution)

@@ -1,8 +1,9 @@
 """The instructor's guide's lecture plan, as data, and its checks against the stored notebooks.
 
-Nine 90-minute lectures cover sections 00–09; a six-lecture cut merges some of them
-and drops named sections. A lecture is a list of parts, each (notebook stem, first
-`##` heading, last `##` heading), the headings written without their number, so that a
+Ten 90-minute lectures cover sections 00–10; a six-lecture cut merges nine of them
+and drops named sections (all of section 10, which students may read on their own). A
+lecture is a list of parts, each (notebook stem, first `##` heading, last `##` heading),
+the headings written without their number, so that a
 section inserted or renumbered elsewhere moves no part. A part runs from its first
 heading's cell (from the notebook's first cell when that heading is the first section)
 to the cell before the `##` heading that follows its last one. Its minutes are
@@ -28,13 +29,13 @@ DISCUSSION_MINUTES = 5
 MATERIAL_MINUTES = LECTURE_MINUTES - QUIZ_MINUTES - DISCUSSION_MINUTES   # 75
 
 Part = namedtuple('Part', 'stem first last')
-# homework: ((section, exercise number or BUILD), ...); merges: the lectures of the nine a cut lecture joins
+# homework: ((section, exercise number or BUILD), ...); merges: the lectures of the ten a cut lecture joins
 Lecture = namedtuple('Lecture', 'number parts homework merges', defaults=((),))
 
 _CLOSING = {'Summary', 'Exercises', '小结', '练习'}
 BUILD = 'build'   # a section's "Build it" part, the piece its check grades, as homework
 # a build's minutes for a student, its check passing included (08's build is its exercise 5, timed there)
-BUILD_MINUTES = {'06': 45, '09': 45}
+BUILD_MINUTES = {'06': 45, '09': 45, '10': 45}
 # every lecture's homework, by the exercises' own estimates and BUILD_MINUTES: balanced, none a week's work
 HOMEWORK_MINUTES = (45, 90)
 
@@ -62,10 +63,13 @@ LECTURES = [
     Lecture(9, [Part('08-beyond-data-parallelism', 'Choosing', 'Summary'),
                 Part('09-one-training-step', 'The model and its cost', 'Summary')],
             homework=(('09', BUILD), ('09', 1), ('09', 3))),
+    Lecture(10, [Part('10-attention-and-generation', 'A language model you can count', 'Summary')],
+            homework=(('10', BUILD), ('10', 1), ('10', 2))),
 ]
 
-# The six-lecture cut: lectures of the nine merged, these sections dropped (shown from the
-# stored outputs or left for reading).
+# The six-lecture cut: lectures 1–9 of the ten merged, these sections dropped (shown from the
+# stored outputs or left for reading). Lecture 10 is dropped whole: six lectures cannot hold ten
+# topics, and section 10 stands on its own after 09, so it is left for reading, its build optional.
 CUT_DROPS = [
     ('02-asynchronous-computation', 'What the profiler sees'),
     ('03-automatic-parallelism', 'Parallel computation on GPUs'),
@@ -81,6 +85,11 @@ CUT_DROPS = [
     ('07-parameter-servers', 'When a process dies'),
     ('09-one-training-step', 'Memory, not only time'),
     ('09-one-training-step', 'The toolkit on the fast step'),
+    ('10-attention-and-generation', 'A language model you can count'),
+    ('10-attention-and-generation', 'Attention against sequence length'),
+    ('10-attention-and-generation', "Build it: FlashAttention's forward pass"),
+    ('10-attention-and-generation', 'Generation'),
+    ('10-attention-and-generation', 'Smaller weights'),
 ]
 
 SIX_LECTURES = [

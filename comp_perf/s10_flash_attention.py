@@ -1,0 +1,377 @@
+"""Section 10, the piece you build: FlashAttention's forward pass in tiles (flash_attention, the reference,
+written as the notebook's skeleton is, one small function per gap), its backward pass (the exercise), the
+checks that hold anyone's version to plain attention in float64, and peak_allocated(), the memory they measure.
+"""
+import importlib
+import importlib.util
+import math
+import re
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from comp_perf.language import tr
+
+
+# ----- the reference: FlashAttention-2's forward pass (Dao 2023, Algorithm 1) -----
+
+def visible_keys(i, rows, t, causal):
+    """How many keys, from key 0 on, query rows i .. i+rows-1 can see: with the causal mask a key block
+    wholly after the block's last query is never read at all."""
+    return min(t, i + rows) if causal else t
+
+
+def tile_scores(q_tile, k_tile, i, j, causal):
+    """The tile's scaled scores q kᵀ / √d; causal: -inf where key j+c comes after query i+r."""
+    s = q_tile @ k_tile.transpose(-2, -1) / math.sqrt(q_tile.shape[-1])
+    rows, cols = s.shape[-2:]
+    if causal and j + cols - 1 > i:                       # the tile reaches above the diagonal
+        query = torch.arange(i, i + rows, device=s.device)[:, None]   # global positions, not tile-local
+        key = torch.arange(j, j + cols, device=s.device)
+        s = s.masked_fill(key > query, -math.inf)         # key j is visible to query i iff j <= i
+    return s
+
+
+def online_update(m, row_sum, acc, s, v_tile):
+    """Fold one tile into the running max m, normaliser row_sum and unnormalised output acc of each row."""
+    m_new = torch.maximum(m, s.amax(-1, keepdim=True))   # the max so far: exp never sees a positive number
+    p = torch.exp(s - m_new)
+    correction = torch.exp(m - m_new)                     # what was summed against the old max, rescaled
+    return m_new, row_sum * correction + p.sum(-1, keepdim=True), acc * correction + p @ v_tile
+
+
+def finish_rows(m, row_sum, acc):
+    """(output rows, logsumexp rows): the one division FA-2 defers to the end, and L = m + log row_sum,
+    all the backward pass keeps of the softmax."""
+    return acc / row_sum, (m + torch.log(row_sum)).squeeze(-1)
+
+
+def flash_attention(q, k, v, causal=False, block_q=32, block_k=32):
+    """softmax(q kᵀ / √d) v in tiles, and the row logsumexp: (out, lse), out in q's dtype, lse float32 (..., t).
+
+    q, k, v: (..., t, d), any leading batch and head dimensions. Each query block (outer loop,
+    as FlashAttention-2 does) reads the key/value blocks it can see once, keeping per row a
+    running max, normaliser and output in float32: no t × t tensor is ever built.
+    """
+    t, d = q.shape[-2:]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for i in range(0, t, block_q):
+        q_tile = q[..., i:i + block_q, :].float()         # the last block may be shorter
+        rows = q_tile.shape[-2]
+        m = torch.full((*q.shape[:-2], rows, 1), -math.inf, device=q.device)
+        row_sum = torch.zeros_like(m)
+        acc = torch.zeros(*q.shape[:-2], rows, d, device=q.device)
+        for j in range(0, visible_keys(i, rows, t, causal), block_k):
+            s = tile_scores(q_tile, k[..., j:j + block_k, :].float(), i, j, causal)
+            m, row_sum, acc = online_update(m, row_sum, acc, s, v[..., j:j + block_k, :].float())
+        out[..., i:i + rows, :], lse[..., i:i + rows] = finish_rows(m, row_sum, acc)
+    return out, lse
+
+
+def flash_attention_backward(q, k, v, out, lse, dout, causal=False, block_q=32, block_k=32):
+    """(dq, dk, dv) of flash_attention from its out and lse (FlashAttention-2, Algorithm 2), in q's dtype.
+
+    Nothing of the forward's softmax is stored but lse: each tile's P is recomputed from q, k
+    and lse. Key blocks are the outer loop, so dk and dv of a block are summed in one place.
+    """
+    t, d = q.shape[-2:]
+    scale = 1 / math.sqrt(d)
+    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
+    big_d = (dout.float() * out.float()).sum(-1, keepdim=True)   # D = rowsum(dO ∘ O) = rowsum(dP ∘ P)
+    for j in range(0, t, block_k):
+        k_tile, v_tile = k[..., j:j + block_k, :].float(), v[..., j:j + block_k, :].float()
+        first = (j // block_q) * block_q if causal else 0   # earlier query blocks cannot see these keys
+        for i in range(first, t, block_q):
+            q_tile, do_tile = q[..., i:i + block_q, :].float(), dout[..., i:i + block_q, :].float()
+            p = torch.exp(tile_scores(q_tile, k_tile, i, j, causal) - lse[..., i:i + block_q, None])
+            dv[..., j:j + block_k, :] += p.transpose(-2, -1) @ do_tile
+            ds = p * (do_tile @ v_tile.transpose(-2, -1) - big_d[..., i:i + block_q, :])   # dS = P ∘ (dP - D)
+            dq[..., i:i + block_q, :] += ds @ k_tile * scale
+            dk[..., j:j + block_k, :] += ds.transpose(-2, -1) @ q_tile * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def show_flash_solution():
+    """The reference forward pass, folded as a solution is: the four gaps' functions and the loops."""
+    from comp_perf.s06_bucketed import show_solution
+    show_solution(visible_keys, tile_scores, online_update, finish_rows, flash_attention)
+
+
+# ----- memory: the peak a function allocates, on CPU or CUDA -----
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages the ops create while it is active: now (live) and at most (peak).
+
+    A storage is counted once, when an op first returns a tensor on it that none of the op's
+    inputs shares (a view or an in-place result is not new memory), and let go when the last
+    tensor on it that an op returned is garbage-collected.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages = {}   # address -> [bytes, tensors on it still alive]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        inputs = {_address(x) for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+        for x in tree_leaves(result):
+            if not isinstance(x, torch.Tensor) or x.device.type == 'meta':
+                continue
+            key = _address(x)
+            if key not in self.storages:
+                if key in inputs or x.untyped_storage().nbytes() == 0:
+                    continue                              # memory that was there before fn ran
+                self.storages[key] = [x.untyped_storage().nbytes(), 0]
+                self.live += self.storages[key][0]
+                self.peak = max(self.peak, self.live)
+            self.storages[key][1] += 1
+            weakref.finalize(x, self._release, key)
+        return result
+
+    def _release(self, key):
+        entry = self.storages[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self.storages[key]
+
+
+def _address(tensor):
+    return tensor.untyped_storage().data_ptr()
+
+
+def peak_allocated(fn, device='cpu'):
+    """Bytes fn() allocates at most while it runs, above what was allocated before (its result counts).
+
+    CUDA: the caching allocator's own peak (reset_peak_memory_stats, max_memory_allocated).
+    CPU: a TorchDispatchMode adds each new storage an op returns and subtracts it when the
+    last tensor on it is garbage-collected (torch keeps no allocation statistics on the CPU).
+    """
+    device = torch.device(device)
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with _LiveBytes() as counter:
+        fn()
+    return counter.peak
+
+
+# ----- the checks -----
+
+TOL = 1e-4         # largest error relative to the reference's largest |value| (fp32 against float64)
+TOL_LARGE = 1e-3   # part (d): scores near ±2000 carry fp32 rounding of ~1e-4 into exp
+LARGE = 20.0       # part (d): q and k scaled by this, so scores reach about ±2000 (exp overflows above 88)
+MEMORY = dict(batch=4, t=1024, d=32, block=64)   # part (f): the t × t scores are 16 MiB in fp32
+
+
+class _Stop(Exception):
+    """The check cannot go on: the message says why, in one line."""
+
+
+def plain_attention(q, k, v, causal=False):
+    """(out, lse) of softmax(q kᵀ / √d) v with the t × t scores materialised: the float64 reference."""
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        t = s.shape[-1]
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def _inputs(t, seed, scale=1.0, batch=(2, 3), d=16):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return [torch.randn(*batch, t, d) * (scale if name != 'v' else 1) for name in 'qkv']
+
+
+def _load(source, name):
+    """The function `name` from a student's file (a path ending in .py) or a module (a module name)."""
+    try:
+        if str(source).endswith('.py'):
+            path = Path(source).resolve()
+            if not path.exists():
+                raise _Stop(tr('fail: there is no file {path} (run the %%writefile cell first)', path=source))
+            spec = importlib.util.spec_from_file_location(f'_flash_{path.stem}', path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(source)
+        return getattr(module, name)
+    except (_Stop, NotImplementedError):
+        raise
+    except Exception as error:
+        raise _Stop(tr('fail: loading {source} raised {error}', source=source,
+                       error=f'{type(error).__name__}: {error}')) from None
+
+
+def _call(fn, n_results, *args, **kwargs):
+    """fn(*args, **kwargs) as a tuple of n_results tensors, or _Stop saying in one line what went wrong."""
+    try:
+        with torch.no_grad():
+            result = fn(*args, **kwargs)
+    except NotImplementedError:
+        raise
+    except Exception as error:
+        raise _Stop(tr('fail: {name} raised {error}', name=getattr(fn, '__name__', 'your function'),
+                       error=f'{type(error).__name__}: {error}')) from None
+    if not isinstance(result, (tuple, list)) or len(result) != n_results or \
+            not all(isinstance(x, torch.Tensor) for x in result):
+        raise _Stop(tr('fail: {name} should return {n} tensors, it returned {what}',
+                       name=getattr(fn, '__name__', 'your function'), n=n_results, what=type(result).__name__))
+    return tuple(result)
+
+
+def _error(got, want):
+    """Largest |got - want| relative to the largest |want|; inf for a wrong shape, nan stays nan."""
+    if tuple(got.shape) != tuple(want.shape):
+        return math.inf
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+def _verdict(ok):
+    return tr('pass') if ok else tr('FAIL')
+
+
+def _report(letter, what, errors, tol):
+    """Print one part's line: its largest error against the tolerance; True when within it (nan is not)."""
+    worst = max(errors, key=lambda e: math.inf if math.isnan(e) else e)
+    ok = worst <= tol
+    print(tr('{verdict} ({letter}) {what}: largest error {err:.1e} of the largest value (allowed {tol:.0e})',
+             verdict=_verdict(ok), letter=letter, what=what, err=worst, tol=tol))
+    return ok
+
+
+def _forward_errors(flash, t, block_q, block_k, causal, seed, scale=1.0, lse_too=False):
+    """Errors of (out[, lse]) from flash against float64 plain attention, on fp32 inputs of length t."""
+    q, k, v = _inputs(t, seed, scale)
+    out, lse = _call(flash, 2, q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+    want_out, want_lse = plain_attention(q.double(), k.double(), v.double(), causal)
+    return [_error(lse, want_lse)] if lse_too else [_error(out, want_out)]
+
+
+def _largest_score(t, seed, scale):
+    q, k, _ = _inputs(t, seed, scale)
+    return (q @ k.transpose(-2, -1)).abs().max().item() / math.sqrt(q.shape[-1])
+
+
+def _forward_parts(flash, block):
+    """Parts (a) to (e): one line each; the list of their verdicts."""
+    half = max(1, block // 2)
+    return [
+        _report('a', tr('without the mask, t = {t}', t=4 * block),
+                [_forward_errors(flash, 4 * block, block, block, False, 1)[0]], TOL),
+        _report('b', tr('causal, t = {t}, blocks {bq}×{bq}, {bq}×{bk} and {bk}×{bq}', t=4 * block, bq=block, bk=half),
+                [_forward_errors(flash, 4 * block, bq, bk, True, 2)[0]
+                 for bq, bk in ((block, block), (block, half), (half, block))], TOL),
+        _report('c', tr('t = {t}, not a multiple of the block {b} (causal and not)', t=2 * block + 13, b=block),
+                [_forward_errors(flash, 2 * block + 13, block, block, causal, 3)[0] for causal in (False, True)],
+                TOL),
+        _report('d', tr('large scores (q and k × {s:g}: |scores| up to {top:.0f}), finite and equal', s=LARGE,
+                        top=_largest_score(2 * block, 4, LARGE)),
+                [_forward_errors(flash, 2 * block, block, block, causal, 4, LARGE)[0] for causal in (False, True)],
+                TOL_LARGE),
+        _report('e', tr('the logsumexp of each row (small and large scores, causal and not)'),
+                [_forward_errors(flash, 2 * block + 13, block, block, causal, 5, scale, lse_too=True)[0]
+                 for causal in (False, True) for scale in (1.0, LARGE)], TOL),
+    ]
+
+
+def _memory_part(flash):
+    """Part (f): the extra memory flash allocates against plain attention's, at a t where t × t dominates."""
+    b, t, d, block = MEMORY.values()
+    q, k, v = _inputs(t, 6, batch=(b,), d=d)
+    plain = peak_allocated(lambda: plain_attention(q, k, v))
+    mine = peak_allocated(lambda: _call(flash, 2, q, k, v, causal=False, block_q=block, block_k=block))
+    ok = mine < plain / 2
+    print(tr('{verdict} (f) peak memory at batch {b}, t = {t}, d = {d}, blocks of {block}: {mine:.1f} MiB, '
+             'plain attention {plain:.1f} MiB (allowed: under half of it)', verdict=_verdict(ok), b=b, t=t, d=d,
+             block=block, mine=mine / 2**20, plain=plain / 2**20))
+    return ok
+
+
+def _not_built(gap):
+    number = re.fullmatch(r'gap (\d+)', str(gap))
+    print(tr('not built yet: gap {n} still raises NotImplementedError (fill it in, run the %%writefile '
+             'cell again, then this one)', n=number.group(1)) if number else
+          tr('not built yet: {gap}', gap=str(gap) or 'NotImplementedError'))
+    return False
+
+
+def check_flash_attention(source='comp_perf.s10_flash_attention', block=32):
+    """Hold flash_attention(q, k, v, causal=False, block_q=..., block_k=...) from `source` to plain attention.
+
+    source: a student's file (e.g. 'artifacts/my_flash_attention.py') or a module name. Inputs
+    are fp32 (2 × 3 heads, d = 16); the reference is plain attention in float64. Errors are the
+    largest |difference| over the largest |reference value|, allowed TOL = 1e-4 (TOL_LARGE = 1e-3
+    in (d), where fp32 rounding of scores near ±2000 reaches the exponentials). Parts: (a) no
+    mask, t = 4 blocks; (b) causal, with equal and with unequal query and key blocks (block and
+    block/2 either way), so a mask right only where tiles align fails; (c) t = 2 blocks + 13,
+    causal and not; (d) q and k × 20: scores reach about ±2000, exp overflows unless the max is
+    subtracted; (e) the returned logsumexp; (f) the extra memory while it runs, at batch 4,
+    t = 1024, d = 32, blocks of 64, under half of plain attention's (peak_allocated). Prints one
+    line per part and a Result; True when all pass. A gap still raising NotImplementedError, a
+    missing file, an error or a wrong return prints one line saying so, not a traceback.
+    """
+    try:
+        flash = _load(source, 'flash_attention')
+        parts = _forward_parts(flash, block) + [_memory_part(flash)]
+    except NotImplementedError as gap:
+        return _not_built(gap)
+    except _Stop as stop:
+        print(stop)
+        return False
+    print(tr('FlashAttention forward: pass') if all(parts) else tr('FlashAttention forward: fail'))
+    return all(parts)
+
+
+def _backward_errors(backward, t, block_q, block_k, causal, seed):
+    """Errors of (dq, dk, dv) from backward against autograd through float64 plain attention."""
+    q, k, v = _inputs(t, seed)
+    dout = _inputs(t, seed + 100)[0]
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    out, lse = plain_attention(*leaves, causal)
+    want = torch.autograd.grad(out, leaves, dout.double())
+    got = _call(backward, 3, q, k, v, out.detach().float(), lse.detach().float(), dout,
+                causal=causal, block_q=block_q, block_k=block_k)
+    return [_error(g, w) for g, w in zip(got, want)]
+
+
+def check_flash_backward(source='comp_perf.s10_flash_attention', block=32):
+    """Hold flash_attention_backward(q, k, v, out, lse, dout, causal=False, block_q=..., block_k=...) -> (dq, dk, dv)
+    from `source` to autograd through plain attention in float64.
+
+    The same inputs and tolerance (TOL = 1e-4 of each gradient's largest |value|, the worst of
+    dq, dk, dv) as check_flash_attention; out and lse are the reference's, in fp32. Parts: (a)
+    no mask; (b) causal with unequal query and key blocks, both ways; (c) t = 2 blocks + 13,
+    causal and not. Prints one line per part and a Result; True when all pass.
+    """
+    half = max(1, block // 2)
+    try:
+        backward = _load(source, 'flash_attention_backward')
+        parts = [
+            _report('a', tr('gradients without the mask, t = {t}', t=4 * block),
+                    _backward_errors(backward, 4 * block, block, block, False, 11), TOL),
+            _report('b', tr('gradients, causal, t = {t}, blocks {bq}×{bk} and {bk}×{bq}', t=4 * block, bq=block,
+                            bk=half),
+                    [e for bq, bk in ((block, half), (half, block))
+                     for e in _backward_errors(backward, 4 * block, bq, bk, True, 12)], TOL),
+            _report('c', tr('gradients, t = {t}, not a multiple of the block {b} (causal and not)',
+                            t=2 * block + 13, b=block),
+                    [e for causal in (False, True)
+                     for e in _backward_errors(backward, 2 * block + 13, block, block, causal, 13)], TOL),
+        ]
+    except NotImplementedError as gap:
+        return _not_built(gap)
+    except _Stop as stop:
+        print(stop)
+        return False
+    print(tr('FlashAttention backward: pass') if all(parts) else tr('FlashAttention backward: fail'))
+    return all(parts)

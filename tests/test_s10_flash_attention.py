@@ -1,0 +1,172 @@
+"""Section 10's built piece (comp_perf/s10_flash_attention.py): the forward and backward checks pass the
+reference, fail planted mistakes at the part each one breaks, and say "not built yet" on the notebook's
+skeleton; peak_allocated measures known allocations. Nothing here starts a process.
+"""
+import re
+from pathlib import Path
+
+import nbpair
+import pytest
+import torch
+from helpers import ROOT
+
+import common
+from comp_perf import s10_flash_attention as s10
+
+REFERENCE = Path(s10.__file__).read_text(encoding='utf-8')
+FORWARD = 'comp_perf.s10_flash_attention'
+
+
+def planted(tmp_path, name, *changes):
+    """A file holding the reference module with each (old, new) of changes made (old must be there once)."""
+    source = REFERENCE
+    for old, new in changes:
+        assert source.count(old) == 1, f'the reference should contain {old!r} once'
+        source = source.replace(old, new)
+    path = tmp_path / f'{name}.py'
+    path.write_text(source, encoding='utf-8')
+    return str(path)
+
+
+def run(check, source, capsys):
+    """(passed, printed text) of a check on source."""
+    passed = check(source)
+    return passed, capsys.readouterr().out
+
+
+def verdicts(out):
+    """{'a': 'pass', 'b': 'FAIL', ...} from the printed part lines."""
+    return dict((letter, verdict) for verdict, letter in re.findall(r'^(pass|FAIL) \((\w)\)', out, re.M))
+
+
+def test_the_reference_passes_both_checks(capsys):
+    passed, out = run(common.check_flash_attention, FORWARD, capsys)
+    assert passed and verdicts(out) == dict.fromkeys('abcdef', 'pass'), out
+    assert out.rstrip().endswith('FlashAttention forward: pass')
+    passed, out = run(common.check_flash_backward, FORWARD, capsys)
+    assert passed and verdicts(out) == dict.fromkeys('abc', 'pass'), out
+    assert out.rstrip().endswith('FlashAttention backward: pass')
+
+
+@pytest.mark.parametrize('name, changes, fails', [
+    # (i) the running normaliser and output are not rescaled when the max grows
+    ('no_rescale', [('row_sum * correction + p.sum(-1, keepdim=True), acc * correction + p @ v_tile',
+                     'row_sum + p.sum(-1, keepdim=True), acc + p @ v_tile')], 'a'),
+    # (ii) exp of the raw scores: right at small scores, inf / inf = nan once they pass 88
+    ('no_max', [('m_new = torch.maximum(m, s.amax(-1, keepdim=True))', 'm_new = torch.zeros_like(m)')], 'd'),
+    # (iii) a key hidden from its own query (< instead of <=)
+    ('strict_mask', [('key > query', 'key >= query')], 'b'),
+    # (iii) tile-local positions: right only where query and key tiles start together
+    ('local_mask', [('torch.arange(i, i + rows,', 'torch.arange(0, rows,'),
+                    ('torch.arange(j, j + cols,', 'torch.arange(0, cols,')], 'b'),
+    # (iv) the last, partial query block dropped
+    ('no_last_block', [('for i in range(0, t, block_q):', 'for i in range(0, t - block_q + 1, block_q):')], 'c'),
+    # (v) log l without m
+    ('lse_without_max', [('(m + torch.log(row_sum)).squeeze(-1)', 'torch.log(row_sum).squeeze(-1)')], 'e'),
+])
+def test_a_planted_mistake_fails_its_part(name, changes, fails, tmp_path, capsys):
+    passed, out = run(common.check_flash_attention, planted(tmp_path, name, *changes), capsys)
+    assert not passed and verdicts(out)[fails] == 'FAIL', out
+    assert out.rstrip().endswith('FlashAttention forward: fail')
+
+
+def test_no_max_passes_small_scores_and_gives_nan_at_large_ones(tmp_path, capsys):
+    passed, out = run(common.check_flash_attention, planted(
+        tmp_path, 'no_max', ('m_new = torch.maximum(m, s.amax(-1, keepdim=True))', 'm_new = torch.zeros_like(m)')),
+        capsys)
+    assert verdicts(out)['a'] == 'pass' and re.search(r'FAIL \(d\) .*error nan', out), out
+
+
+def test_a_tile_local_mask_is_right_only_where_the_tiles_align(tmp_path):
+    path = planted(tmp_path, 'local_mask', ('torch.arange(i, i + rows,', 'torch.arange(0, rows,'),
+                   ('torch.arange(j, j + cols,', 'torch.arange(0, cols,'))
+    flash = s10._load(path, 'flash_attention')
+    assert s10._forward_errors(flash, 128, 32, 32, True, 2)[0] < s10.TOL
+    assert s10._forward_errors(flash, 128, 32, 16, True, 2)[0] > 100 * s10.TOL
+
+
+def test_plain_attention_inside_passes_everything_but_memory(tmp_path, capsys):
+    path = tmp_path / 'plain.py'
+    path.write_text('from comp_perf.s10_flash_attention import plain_attention\n\n\n'
+                    'def flash_attention(q, k, v, causal=False, block_q=32, block_k=32):\n'
+                    '    return plain_attention(q, k, v, causal)\n')
+    passed, out = run(common.check_flash_attention, str(path), capsys)
+    assert not passed and verdicts(out) == dict(dict.fromkeys('abcde', 'pass'), f='FAIL'), out
+    mine, plain = map(float, re.search(r'\(f\) .*: ([\d.]+) MiB, plain attention ([\d.]+) MiB', out).groups())
+    assert mine == plain
+
+
+@pytest.mark.parametrize('name, old, new, fails', [
+    ('no_d', 'ds = p * (do_tile @ v_tile.transpose(-2, -1) - big_d[..., i:i + block_q, :])',
+     'ds = p * (do_tile @ v_tile.transpose(-2, -1))', 'a'),
+    ('dk_unscaled', 'ds.transpose(-2, -1) @ q_tile * scale', 'ds.transpose(-2, -1) @ q_tile', 'a'),
+    ('no_mask_in_recompute', 'exp(tile_scores(q_tile, k_tile, i, j, causal)',
+     'exp(tile_scores(q_tile, k_tile, i, j, False)', 'b'),
+])
+def test_a_planted_backward_mistake_fails_its_part(name, old, new, fails, tmp_path, capsys):
+    passed, out = run(common.check_flash_backward, planted(tmp_path, name, (old, new)), capsys)
+    assert not passed and verdicts(out)[fails] == 'FAIL', out
+    assert out.rstrip().endswith('FlashAttention backward: fail')
+
+
+@pytest.mark.parametrize('body, says', [
+    ("    raise NotImplementedError('gap 2')\n", 'not built yet: gap 2 still raises NotImplementedError'),
+    ('    return q\n', 'fail: flash_attention should return 2 tensors, it returned Tensor'),
+    ('    return q @ k\n', 'fail: flash_attention raised RuntimeError'),
+])
+def test_a_gap_a_wrong_return_or_an_error_is_one_line(body, says, tmp_path, capsys):
+    path = tmp_path / 'mine.py'
+    path.write_text(f'def flash_attention(q, k, v, causal=False, block_q=32, block_k=32):\n{body}')
+    passed, out = run(common.check_flash_attention, str(path), capsys)
+    assert not passed and out.startswith(says) and len(out.strip().splitlines()) == 1, out
+    passed, out = run(common.check_flash_attention, str(tmp_path / 'missing.py'), capsys)
+    assert not passed and out.startswith('fail: there is no file')
+
+
+def test_peak_allocated_measures_known_allocations():
+    def two_of_three():   # three 1 MiB buffers, at most two alive; a view and an in-place op are no new memory
+        a = torch.empty(2**20, dtype=torch.uint8)
+        b = torch.empty(2**20, dtype=torch.uint8)
+        del a
+        c = torch.empty(2**20, dtype=torch.uint8)
+        c.add_(1)
+        return b[:10], c.view(-1)
+    assert common.peak_allocated(lambda: torch.empty(1000, 1000)) == 4_000_000
+    assert common.peak_allocated(two_of_three) == 2 * 2**20
+    q = torch.randn(2, 256, 16)   # plain attention holds two t × t float32 tensors at once, flash far less
+    assert common.peak_allocated(lambda: s10.plain_attention(q, q, q)) >= 2 * 2 * 256 * 256 * 4
+    assert common.peak_allocated(lambda: common.flash_attention(q, q, q, block_q=32, block_k=32)) < 256 * 256 * 4
+
+
+def notebook_cells(name):
+    """The English text of section 10's `%%writefile artifacts/{name}` cell and of its hint cells, or skip."""
+    for source in sorted((ROOT / 'notebooks' / 'src').glob('10-*.txt')):
+        cells = nbpair.parse(source)
+        code = [c['en'] for c in cells if c['type'] == 'code' and c['en'].startswith(f'%%writefile artifacts/{name}')]
+        if code:
+            return code[0].split('\n', 1)[1], '\n'.join(c['en'] for c in cells if c['type'] == 'md')
+    pytest.skip(f"section 10's source has no %%writefile artifacts/{name} cell yet")
+
+
+@pytest.mark.parametrize('name, check', [('my_flash_attention.py', common.check_flash_attention),
+                                         ('my_flash_backward.py', common.check_flash_backward)])
+def test_the_checks_say_not_built_yet_on_the_notebooks_skeletons(name, check, tmp_path, capsys):
+    skeleton, _ = notebook_cells(name)
+    path = tmp_path / name
+    path.write_text(skeleton, encoding='utf-8')
+    passed, out = run(check, str(path), capsys)
+    assert not passed and out.startswith('not built yet: gap 1 still raises NotImplementedError'), out
+    assert 'Traceback' not in out
+
+
+def test_the_skeleton_filled_with_the_hints_passes(tmp_path, capsys):
+    # each hint's code block, put in place of its gap's raise, passes the check
+    skeleton, markdown = notebook_cells('my_flash_attention.py')
+    for number, gap in re.findall(r'<summary>Hint for gap (\d+)</summary>.*?```python\n(.*?)```', markdown, re.S):
+        line = f"    raise NotImplementedError('gap {number}')\n"
+        assert line in skeleton, f'the skeleton has no {line!r}'
+        skeleton = skeleton.replace(line, ''.join(f'    {row}\n' for row in gap.splitlines()))
+    path = tmp_path / 'my_flash_attention.py'
+    path.write_text(skeleton, encoding='utf-8')
+    passed, out = run(common.check_flash_attention, str(path), capsys)
+    assert passed, out
