@@ -320,16 +320,24 @@ def check_flash_attention(source='comp_perf.s10_flash_attention', block=32):
     line per part and a Result; True when all pass. A gap still raising NotImplementedError, a
     missing file, an error or a wrong return prints one line saying so, not a traceback.
     """
-    try:
+    def parts():
         flash = _load(source, 'flash_attention')
-        parts = _forward_parts(flash, block) + [_memory_part(flash)]
+        return _forward_parts(flash, block) + [_memory_part(flash)]
+    return _graded(parts, 'FlashAttention forward: pass', 'FlashAttention forward: fail')
+
+
+def _graded(parts, passed, failed):
+    """Run a check's parts (each prints its line) and print its result; one line, not a traceback, for a
+    gap still unfilled or a file that cannot be graded (_Stop)."""
+    try:
+        results = parts()
     except NotImplementedError as gap:
         return _not_built(gap)
     except _Stop as stop:
         print(stop)
         return False
-    print(tr('FlashAttention forward: pass') if all(parts) else tr('FlashAttention forward: fail'))
-    return all(parts)
+    print(tr(passed) if all(results) else tr(failed))
+    return all(results)
 
 
 def _backward_errors(backward, t, block_q, block_k, causal, seed):
@@ -354,9 +362,10 @@ def check_flash_backward(source='comp_perf.s10_flash_attention', block=32):
     causal and not. Prints one line per part and a Result; True when all pass.
     """
     half = max(1, block // 2)
-    try:
+
+    def parts():
         backward = _load(source, 'flash_attention_backward')
-        parts = [
+        return [
             _report('a', tr('gradients without the mask, t = {t}', t=4 * block),
                     _backward_errors(backward, 4 * block, block, block, False, 11), TOL),
             _report('b', tr('gradients, causal, t = {t}, blocks {bq}×{bk} and {bk}×{bq}', t=4 * block, bq=block,
@@ -368,10 +377,4 @@ def check_flash_backward(source='comp_perf.s10_flash_attention', block=32):
                     [e for causal in (False, True)
                      for e in _backward_errors(backward, 2 * block + 13, block, block, causal, 13)], TOL),
         ]
-    except NotImplementedError as gap:
-        return _not_built(gap)
-    except _Stop as stop:
-        print(stop)
-        return False
-    print(tr('FlashAttention backward: pass') if all(parts) else tr('FlashAttention backward: fail'))
-    return all(parts)
+    return _graded(parts, 'FlashAttention backward: pass', 'FlashAttention backward: fail')
