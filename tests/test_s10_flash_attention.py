@@ -170,3 +170,21 @@ def test_the_skeleton_filled_with_the_hints_passes(tmp_path, capsys):
     path.write_text(skeleton, encoding='utf-8')
     passed, out = run(common.check_flash_attention, str(path), capsys)
     assert passed, out
+
+
+def test_on_a_gpu_peak_allocated_reads_the_allocators_peak_between_two_synchronisations(monkeypatch):
+    """Faked CUDA: the GPU branch waits for queued work before resetting and before reading the peak."""
+    from comp_perf import s10_flash_attention as s10
+    calls, state = [], {'allocated': 100, 'peak': 100}
+    fake = dict(synchronize=lambda d=None: calls.append('sync'),
+                reset_peak_memory_stats=lambda d=None: (calls.append('reset'), state.update(peak=state['allocated'])),
+                memory_allocated=lambda d=None: state['allocated'],
+                max_memory_allocated=lambda d=None: (calls.append('read'), state['peak'])[1])
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+
+    def work():
+        calls.append('work')
+        state.update(peak=state['allocated'] + 4096)
+    assert s10.peak_allocated(work, device='cuda') == 4096
+    assert calls == ['sync', 'reset', 'work', 'sync', 'read']
