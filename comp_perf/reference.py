@@ -226,15 +226,31 @@ class GpuReference:
 
 
 def check_file(path, references):
-    """Problems of a reference file against the GpuReference objects the notebooks define ([] if none)."""
+    """Problems of a reference file against the GpuReference objects the notebooks define ([] if none).
+
+    A partial file, from a run that the hard stop cut before some cells, is usable:
+    an experiment it lacks is no problem here (missing_experiments lists them, and
+    each of those cells says its run did not reach it). A figure that does not fit
+    its cell, an experiment no cell reads, or a file holding no experiment at all is.
+    """
     try:
         data = read_file(path)
     except UnusableReference as e:
         return [str(e)]
-    problems = []
-    for ref in references:
+    name, known = Path(path).name, {ref.experiment for ref in references}
+    held = [ref for ref in references if ref.experiment in data['experiments']]
+    problems = [] if held else [f'{name} holds none of the experiments the notebooks record']
+    problems += [f'{name} holds "{experiment}", which no notebook cell reads'
+                 for experiment in sorted(set(data['experiments']) - known)]
+    for ref in held:
         try:
-            ref.figures_from(data, Path(path).name)
+            ref.figures_from(data, name)
         except UnusableReference as e:
             problems.append(str(e))
     return problems
+
+
+def missing_experiments(path, references):
+    """The experiments of `references` that a (usable) reference file does not hold: its run never reached them."""
+    data = read_file(path)
+    return [ref.experiment for ref in references if ref.experiment not in data['experiments']]

@@ -26,7 +26,11 @@ SHOWN_BY = {
            ('BATCH_COPIES', 'show_batch_copies')],
     '04': [('GPU_RATES', 'show_gpu_rates')],
     '09': [('VARIANTS', 'PAYOFF', 'OVERALL', 'show_payoff')],
+    '10': [('ATTENTION', 'plain_attention', 'VERSIONS', 'MEMORY_CASES', 'SPEED_CASES', 'show_attention'),
+           ('DECODE', 'PREDICTION_CASES', 'show_prediction', 'show_batches', 'show_decode')],
 }
+# Figures that a cell stores as one number per measured point (lengths, batch sizes) or per round.
+LIST_FIGURES = {'10 decode on the roofline': {'batch', 'ms per step', 'FLOP per byte', 'GFLOP/s'}}
 SYNTHETIC_GPU = 'SYNTHETIC GPU (test data, not a measurement)'
 
 
@@ -57,7 +61,12 @@ def synthetic_values(ref, scale=1.0):
     """Plausible numbers for each figure (lists for the 's' figures of an interleaved timing)."""
     values = {}
     for i, (name, unit) in enumerate(ref.units.items()):
-        if ref.experiment == '09 payoff' and unit == 's':
+        if ref.experiment == '10 attention against length':
+            values[name] = ([256.0, 512.0, 1024.0] if name == 'length' else
+                            [scale * (10.0 + 3 * i) * (1 + 0.01 * r) for r in range(3)])
+        elif name in LIST_FIGURES.get(ref.experiment, ()):
+            values[name] = [scale * (10.0 + 3 * i) * (1 + r) for r in range(3)]
+        elif ref.experiment == '09 payoff' and unit == 's':
             base = 0.050 if name == 'first draft' else 0.010
             values[name] = [base * (1 + 0.01 * r) for r in range(5)]
         elif unit == 'fraction':
@@ -89,7 +98,8 @@ def synthetic_dir(tmp_path, monkeypatch):
 
 def test_every_gpu_reference_of_the_pages_is_checked_here_and_five_notebooks_keep_one():
     declared = {section: sorted(names) for section, names in page_references().items()}
-    covered = {section: sorted(next(n for n in names if n.isupper() and n != 'VARIANTS' and n != 'OVERALL')
+    covered = {section: sorted(names[0] if section == '10' else
+                               next(n for n in names if n.isupper() and n != 'VARIANTS' and n != 'OVERALL')
                                for names in cells) for section, cells in SHOWN_BY.items()}
     assert declared == covered, 'add each new GpuReference of a page to SHOWN_BY'
     assert len(declared) >= 5
@@ -234,11 +244,39 @@ def test_record_without_the_gpu_run_writes_nothing(tmp_path, monkeypatch):
     assert figures == {'a': 2.0} and list(tmp_path.iterdir()) == []
 
 
-def test_committed_reference_files_fit_every_cell_and_none_is_synthetic():
+def test_committed_reference_files_fit_every_cell_they_hold_and_none_is_synthetic():
     refs = [load(section, names)[0] for section, names in every_cell()]
     for path in sorted(reference.REFERENCE_DIR.glob('*.json')):
         assert not json.loads(path.read_text(encoding='utf-8')).get('synthetic'), f'{path} is synthetic'
         assert reference.check_file(path, refs) == [], path
+
+
+@pytest.mark.parametrize('lang', ['en', 'zh'])
+def test_a_partial_file_is_kept_and_shown_and_each_missing_cell_says_so(synthetic_dir, tmp_path, monkeypatch,
+                                                                        capsys, lang):
+    """A run cut by the hard stop: what it recorded is committed and shown, the rest says it was not reached."""
+    import gpu_smoke
+    monkeypatch.setenv('COURSE_LANG', lang)
+    refs = [load(section, names)[0] for section, names in every_cell()]
+    path = planted(synthetic_dir, lambda d: [d['experiments'].pop(r.experiment) for r in refs[-3:]])
+    assert reference.check_file(path, refs) == []
+    assert reference.missing_experiments(path, refs) == [r.experiment for r in refs[-3:]]
+    kept = tmp_path / 'kept'
+    monkeypatch.setattr(reference, 'REFERENCE_DIR', kept)
+    planted(synthetic_dir, lambda d: d.update(synthetic=False))
+    assert gpu_smoke.install_reference(path) == 0 and len(list(kept.glob('*.json'))) == 1
+    capsys.readouterr()
+    for section, names in every_cell():
+        ref, show = load(section, names)
+        assert len(ref.show_stored(show)) == (ref.experiment not in [r.experiment for r in refs[-3:]])
+    out = capsys.readouterr().out
+    reason = 'its run did not reach that cell' if lang == 'en' else '那次运行没有执行到这个单元格'
+    assert out.count(reason) == 3, out
+    planted(synthetic_dir, lambda d: d['experiments'].clear())
+    assert reference.check_file(path, refs) == ['synthetic-gpu.json holds none of the experiments the notebooks '
+                                                'record']
+    planted(synthetic_dir, lambda d: d['experiments'].update({'99 gone': {}}))
+    assert 'synthetic-gpu.json holds "99 gone", which no notebook cell reads' in reference.check_file(path, refs)
 
 
 def test_check_file_finds_a_planted_problem(synthetic_dir):

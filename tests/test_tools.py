@@ -168,22 +168,55 @@ def test_gpu_smoke_make_kit_keeps_one_wheel_per_pin(gpu_kit, tmp_path, monkeypat
     assert "missing: ['nest-asyncio2']" in capsys.readouterr().out
 
 
-def the_documented_gpu_command():
-    """The one command of MAINTAINING.md's borrowed-machine recipe (its English copy), as one line."""
+def the_documented_gpu_commands():
+    """The one command of MAINTAINING.md's borrowed-machine recipe, each language's copy as one line."""
     text = (ROOT / 'MAINTAINING.md').read_text(encoding='utf-8')
-    block = re.search(r'```bash\n(S=\$\(date \+%s\);.*?)```', text, re.S).group(1)
-    return block.replace('\\\n', ' ')
+    return [block.replace('\\\n', ' ') for block in re.findall(r'```bash\n(S=\$\(date \+%s\);.*?)```', text, re.S)]
 
 
-def test_gpu_smoke_command_runs_09_first_keeps_its_logs_and_reaches_every_gpu_reference(gpu_smoke):
+# Code that decides or measures something on a GPU: a cell with any of these is a GPU cell.
+GPU_CELL = re.compile(r"try_gpu|try_all_gpus|num_gpus\(|replica_devices|torch\.cuda|GpuReference|== 'cuda'")
+
+
+def sections_with_gpu_cells():
+    import nbpair
+    found = set()
+    for src in nbpair.sources():
+        if src.stem[:2].isdigit() and any(GPU_CELL.search(code) for code in nbpair.python_code(src).values()):
+            found.add(src.stem[:2])
+    return found
+
+
+def test_gpu_smoke_command_runs_09_first_keeps_its_logs_and_reaches_every_gpu_cell(gpu_smoke):
     from test_reference import page_references
-    command = the_documented_gpu_command()
-    notebooks = re.search(r'--notebooks ((?:\d\d )+)', command).group(1).split()
-    assert notebooks[0] == '09'
-    assert set(page_references()) <= set(notebooks), 'a notebook that records GPU figures is not run'
-    assert '--lang en zh' in command and '| tee $OUT/gpu-tests.log' in command and '--zip' in command
+    english, chinese = the_documented_gpu_commands()
+    assert english == chinese, 'the two copies of the GPU command in MAINTAINING.md differ'
+    notebooks = re.search(r'--notebooks ((?:\d\d )+)', english).group(1).split()
+    assert notebooks[0] == '09' and len(set(notebooks)) == len(notebooks)
+    assert set(notebooks) == sections_with_gpu_cells(), 'the command must run exactly the sections with GPU cells'
+    recording = [n for n in notebooks if n in page_references()]
+    assert notebooks[:len(recording)] == recording, 'the sections that record GPU figures run first'
+    assert '--lang en zh' in english and '| tee $OUT/gpu-tests.log' in english and '--zip' in english
     files_back = {'summary.json', 'executed.zip', 'gpu-tests.xml', 'gpu-tests.log', gpu_smoke.REFERENCE_FILE}
     assert len(files_back) <= gpu_smoke.MAX_FILES_BACK
+
+
+def test_a_section_with_a_gpu_cell_is_found():
+    assert {'01', '02', '03', '04', '05', '09', '10'} <= sections_with_gpu_cells()
+    assert not {'07'} & sections_with_gpu_cells()
+    assert GPU_CELL.search("if device.type == 'cuda':") and not GPU_CELL.search('x = torch.zeros(3)')
+
+
+def test_gpu_smoke_report_counts_missing_glyph_warnings_instead_of_listing_them(gpu_smoke):
+    glyph = ("/x/pylabtools.py:170: UserWarning: Glyph 20013 (\\N{CJK UNIFIED IDEOGRAPH-4E2D}) missing from "
+             "font(s) DejaVu Sans.\n  fig.canvas.print_figure(bytes_io, **kw)\n")
+    assert gpu_smoke.without_glyph_warnings(glyph * 3) == ('', 3)
+    assert gpu_smoke.without_glyph_warnings(glyph + 'RuntimeWarning: real\n') == ('RuntimeWarning: real\n', 1)
+    summary = {'started_utc': 'now', 'facts': {}, 'notes': [], 'elapsed_seconds': 1, 'notebooks': {'10.zh': {
+        'status': 'ok', 'seconds': 1, 'code_cells': 2, 'errors': [], 'cells': [
+            {'index': 3, 'seconds': 1.0, 'stderr': glyph * 40}, {'index': 5, 'seconds': 1.0, 'stderr': 'odd\n'}]}}}
+    text = gpu_smoke.report(summary)
+    assert 'stderr cell 3' not in text and 'stderr cell 5: odd' in text and '  40 warnings of glyphs' in text
 
 
 def test_gpu_smoke_runs_a_second_language_after_the_first_and_only_the_first_records(gpu_smoke, gpu_runner,
