@@ -313,3 +313,14 @@ def test_stored_notebooks_quote_no_gpu_figure_until_a_file_is_committed(lang, se
 def test_gpu_slug():
     assert reference.gpu_slug('NVIDIA H200') == 'nvidia-h200'
     assert reference.gpu_slug('NVIDIA GeForce RTX 4090') == 'nvidia-geforce-rtx-4090'
+
+
+def test_no_page_indexes_its_settings_like_a_dict():
+    """common.settings returns a namespace: cfg['d'] raises, and only the GPU branch of 09 had it (found on the GPU)."""
+    found = []
+    for src in nbpair.sources():
+        for code in nbpair.python_code(src).values():
+            found += [f'{src.name}: line {node.lineno}' for node in ast.walk(ast.parse(code))
+                      if isinstance(node, ast.Subscript) and getattr(node.value, 'id', None) == 'cfg']
+    assert found == []
+    assert not hasattr(__import__('comp_perf.machine', fromlist=['settings']).settings(T0={'d': 1}), '__getitem__')

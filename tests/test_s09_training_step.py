@@ -249,3 +249,15 @@ def test_payoff_chart_draws_a_bar_per_variant():
     matplotlib.use('Agg')
     ax = common.plot_payoff(['a', 'b', 'c'], [0.3, 0.2, 0.1], [0.1, 0.2, None], 'title')
     assert len(ax.patches) == 3 and [t.get_text() for t in ax.get_yticklabels()] == ['a', 'b', 'c']
+
+
+@pytest.mark.parametrize('dense,flops,first', [(90.0, 100.0, 'no attention'),    # the CPU tier: attention 10 %
+                                               (358.15, 369.48, 'fewer'),         # the H200 run's T1 model: 3 %
+                                               (99.5, 100.0, 'fewer')])
+def test_the_flop_verdicts_cases_increase_whatever_share_attention_has(dense, flops, first, capsys):
+    """The GPU run's settings made attention 3 % of the step, and the cases' bounds fell out of order."""
+    cases = definitions('09-one-training-step', 'flop_cases')['flop_cases'](dense, flops)
+    assert cases[0][1] == first
+    for value, key in ((dense / flops, 'no attention' if first == 'no attention' else None), (1.0, 'agree')):
+        found = common.verdict('FLOPs counted / formula', value, cases)
+        assert key is None or found == key

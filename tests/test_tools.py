@@ -258,6 +258,15 @@ def test_gpu_smoke_completes_and_keeps_the_reference_file(gpu_smoke, tmp_path, m
     (tmp_path / 'broken.json').write_text('{')
     assert gpu_smoke.install_reference(tmp_path / 'broken.json') == 2
     assert 'cannot be read as JSON' in capsys.readouterr().err
+    second = dict(kept, synthetic=False, experiments={'09 payoff': {'settings': {}, 'figures': {}}})
+    (tmp_path / 'second.json').write_text(json.dumps(second))
+    assert gpu_smoke.install_reference(tmp_path / 'reference.json', tmp_path / 'second.json') == 0
+    merged = json.loads((tmp_path / 'data' / 'reference' / 'nvidia-h200.json').read_text())
+    assert sorted(merged['experiments']) == ['02 CUDA events', '09 payoff'] and merged['machine'] == kept['machine']
+    second['machine'] = dict(kept['machine'], torch='2.12.0')
+    (tmp_path / 'second.json').write_text(json.dumps(second))
+    assert gpu_smoke.install_reference(tmp_path / 'reference.json', tmp_path / 'second.json') == 2
+    assert 'another GPU or torch' in capsys.readouterr().err
 
 
 def test_gpu_smoke_knows_which_notebooks_read_fashion_mnist(gpu_facts):

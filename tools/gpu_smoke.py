@@ -13,8 +13,8 @@ notebook (the kernel is stopped); the run goes on with the next one.
         [--cell-timeout 300] [--budget SECONDS] [--hard-stop SECONDS]
         [--started-at UNIX_TIME] [--zip]
     python3 tools/gpu_smoke.py --make-kit     (the wheel kit: tools/gpu_kit.py)
-    python3 tools/gpu_smoke.py --keep-reference DIR/reference.json
-                                              (into data/reference/<gpu>.json)
+    python3 tools/gpu_smoke.py --keep-reference DIR/reference.json [DIR2/reference.json]
+                                              (into data/reference/<gpu>.json, merged)
 
 Written under --out: summary.json (the machine's facts and, per notebook, every
 code cell's seconds, error and stderr; rewritten after every cell, so a run
@@ -121,22 +121,37 @@ def keep_reference(out, facts):
     return sorted(data.get('experiments', {}))
 
 
-def install_reference(path):
-    """Check a GPU run's reference file and copy it to data/reference/<gpu>.json; an exit status."""
+def install_reference(*paths):
+    """Check GPU runs' reference files and copy them, as one, to data/reference/<gpu>.json; an exit status.
+
+    Several files are the runs of one session on one machine (a second, shorter run
+    after a fix): they must name the same GPU and torch, and a later file's
+    experiment replaces an earlier one's.
+    """
     sys.path.insert(0, str(ROOT))
     from comp_perf.reference import REFERENCE_DIR, UnusableReference, gpu_slug, read_file
-    try:
-        data = read_file(path)
-    except UnusableReference as e:
-        print(f'[gpu_smoke] not kept: {e}', file=sys.stderr)
-        return 2
-    if data.get('synthetic'):
-        print(f'[gpu_smoke] not kept: {path} is synthetic test data', file=sys.stderr)
-        return 2
-    target = REFERENCE_DIR / f"{gpu_slug(data['machine']['device_name'])}.json"
+    merged = None
+    for path in paths:
+        try:
+            data = read_file(path)
+        except UnusableReference as e:
+            print(f'[gpu_smoke] not kept: {e}', file=sys.stderr)
+            return 2
+        if data.get('synthetic'):
+            print(f'[gpu_smoke] not kept: {path} is synthetic test data', file=sys.stderr)
+            return 2
+        if merged is None:
+            merged = data
+            continue
+        same = ('device_name', 'torch')
+        if any(data['machine'].get(k) != merged['machine'].get(k) for k in same):
+            print(f'[gpu_smoke] not kept: {path} comes from another GPU or torch than {paths[0]}', file=sys.stderr)
+            return 2
+        merged['experiments'].update(data['experiments'])
+    target = REFERENCE_DIR / f"{gpu_slug(merged['machine']['device_name'])}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(path, target)
-    print(f"[gpu_smoke] {len(data['experiments'])} experiments of {data['machine']['device_name']} kept in "
+    target.write_text(json.dumps(merged, indent=1, ensure_ascii=False) + '\n', encoding='utf-8')
+    print(f"[gpu_smoke] {len(merged['experiments'])} experiments of {merged['machine']['device_name']} kept in "
           f'{shown(target)}: run the tests (tests/test_reference.py checks it against every GPU cell), then '
           're-execute the notebooks that show it and commit both.')
     return 0
@@ -222,8 +237,9 @@ def parse_args(argv=None):
     parser.add_argument('--zip', action='store_true', help='executed notebooks into executed.zip')
     parser.add_argument('--make-kit', action='store_true',
                         help=f'download the wheels of {shown(KIT_FILE)} into {shown(KIT_DIR)}/ and stop')
-    parser.add_argument('--keep-reference', type=Path, metavar='FILE',
-                        help='check a GPU run\'s reference.json and copy it to data/reference/<gpu>.json')
+    parser.add_argument('--keep-reference', type=Path, nargs='+', metavar='FILE',
+                        help="check GPU runs' reference.json files and keep them, as one, in "
+                             'data/reference/<gpu>.json')
     parser.add_argument('--notebook-path', action='append', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.out is None and not (args.make_kit or args.keep_reference):
@@ -269,7 +285,7 @@ def main(argv=None):
     if args.make_kit:
         return make_kit()
     if args.keep_reference:
-        return install_reference(args.keep_reference)
+        return install_reference(*args.keep_reference)
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ['COURSE_REFERENCE_OUT'] = str((args.out / REFERENCE_FILE).resolve())   # the kernels inherit it
     runner = Runner(args, args.out)
