@@ -200,9 +200,10 @@ def bucketed_check(rank, world_size, module, folder, run=None):
 
     Every rank seeds its model differently, so DDP and the class must both bring rank 0's to
     every rank: 'same_start' is their gap right after construction, and then DDP's weights are loaded
-    into the class's model, so that no other part depends on it. Then run['steps'] SGD steps of
-    one backward pass each ('grads', with the parameters after them), one step that accumulates
-    two micro-batches ('accumulation'), and one step of a model with a skipped layer against DDP
+    into the class's model, so that no other part depends on it. Then, each step from DDP's
+    parameters (see _step), run['steps'] SGD steps of one backward pass each ('grads', with the
+    parameters after them), one step that accumulates two micro-batches ('accumulation'), and one
+    step of a model with a skipped layer against DDP
     with find_unused_parameters=True ('unused'); each rank sees its own batches. Each of these is
     this rank's largest difference from DDP, relative to the largest value. On rank 0, 'passes'
     holds, per backward pass of the first model, the order of events: ('gradient', name) when a
@@ -260,9 +261,17 @@ def _pair(cls, net, run, out, events, recording, **ddp_options):
 
 
 def _step(ddp, mine, micro_batches, lr, events, recording, passes):
-    """One SGD step of both models, one backward pass per micro-batch (the class's passes recorded
-    into `passes`); returns the gradients' gap before the step."""
+    """One SGD step of both models from DDP's parameters, one backward pass per micro-batch (the class's
+    passes recorded into `passes`); returns the gradients' gap before the step.
+
+    Each step starts the class's model from DDP's parameters and buffers. Trained apart, two models
+    that differ by one rounding drift further at every float32 SGD step, more or less depending
+    on the CPU's convolution kernels (with 3 processes a correct class and DDP both drifted to
+    1e-3 within three steps, while in float64 the same class stayed within 3e-15 of a plain
+    average), so a tolerance of 1e-5 holds on every CPU only for one step from equal parameters.
+    """
     loss_fn = torch.nn.functional.cross_entropy
+    mine.load_state_dict(ddp.module.state_dict())   # in place: the class's hooks stay on the same tensors
     for model in (ddp, mine):
         model.zero_grad()
     for X, y in micro_batches:

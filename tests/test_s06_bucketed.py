@@ -321,3 +321,20 @@ def test_the_skeleton_with_its_gaps_filled_passes_and_half_filled_is_not_built(t
     (tmp_path / 'half.py').write_text(filled_skeleton(no_finish))
     assert common.check_bucketed_allreduce('half', folder=tmp_path) == 'not built'
     assert 'not built yet: GAP 5: finish' in capsys.readouterr().out
+
+
+def test_each_step_of_the_check_starts_from_ddps_parameters():
+    """Models trained apart drift by rounding, more on some CPUs than others: each compared step starts equal."""
+    class Wrapped(torch.nn.Module):   # stands in for DDP: what _step uses of it is .module and the call
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x):
+            return self.module(x)
+
+    torch.manual_seed(0)
+    theirs, mine = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)   # different starting weights
+    batch = [(torch.randn(5, 4), torch.randint(0, 3, (5,)))]
+    assert s06_bucketed._step(Wrapped(theirs), mine, batch, 0.1, [], [False], []) == 0.0
+    assert torch.equal(mine.weight, theirs.weight)
