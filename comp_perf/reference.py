@@ -117,6 +117,18 @@ def read_file(path):
     return data
 
 
+def write_file(path, data):
+    """Write a reference file atomically: a run killed mid-write keeps the previous file whole.
+
+    The one writer of the format: the GPU cells (record), and tools/gpu_smoke.py when it adds
+    the driver and when it keeps a run's files in data/reference/.
+    """
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + '.tmp')
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + '\n', encoding='utf-8')
+    tmp.replace(path)
+
+
 def stored_files():
     """The reference files to show: every *.json in reference_dir(), sorted."""
     folder = reference_dir()
@@ -163,9 +175,7 @@ class GpuReference:
         data['experiments'][self.experiment] = {
             'settings': settings,
             'figures': {name: {'value': value, 'unit': self.units[name]} for name, value in values.items()}}
-        tmp = path.with_suffix(path.suffix + '.tmp')
-        tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + '\n', encoding='utf-8')
-        tmp.replace(path)   # a run killed mid-write keeps the previous file whole
+        write_file(path, data)
 
     def figures_from(self, data, name='the file'):
         """This experiment's Figures from a parsed file; UnusableReference saying what does not fit."""

@@ -112,12 +112,14 @@ def keep_reference(out, facts):
     path = out / REFERENCE_FILE
     if not path.exists():
         return None
+    sys.path.insert(0, str(ROOT))
+    from comp_perf.reference import write_file
     data = json.loads(path.read_text(encoding='utf-8'))
     smi = (facts.get('nvidia_smi') or '').splitlines()
     if smi and smi[0].count(',') >= 2:
         data['machine']['driver'] = smi[0].split(',')[1].strip()
     data['machine']['device_count'] = facts.get('device_count')
-    path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + '\n', encoding='utf-8')
+    write_file(path, data)
     return sorted(data.get('experiments', {}))
 
 
@@ -129,7 +131,7 @@ def install_reference(*paths):
     experiment replaces an earlier one's.
     """
     sys.path.insert(0, str(ROOT))
-    from comp_perf.reference import REFERENCE_DIR, UnusableReference, gpu_slug, read_file
+    from comp_perf.reference import REFERENCE_DIR, UnusableReference, gpu_slug, read_file, write_file
     merged = None
     for path in paths:
         try:
@@ -150,7 +152,7 @@ def install_reference(*paths):
         merged['experiments'].update(data['experiments'])
     target = REFERENCE_DIR / f"{gpu_slug(merged['machine']['device_name'])}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(merged, indent=1, ensure_ascii=False) + '\n', encoding='utf-8')
+    write_file(target, merged)
     print(f"[gpu_smoke] {len(merged['experiments'])} experiments of {merged['machine']['device_name']} kept in "
           f'{shown(target)}: run the tests (tests/test_reference.py checks it against every GPU cell), then '
           're-execute the notebooks that show it and commit both.')
