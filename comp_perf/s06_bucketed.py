@@ -264,11 +264,15 @@ def _step(ddp, mine, micro_batches, lr, events, recording, passes):
     """One SGD step of both models from DDP's parameters, one backward pass per micro-batch (the class's
     passes recorded into `passes`); returns the gradients' gap before the step.
 
-    Each step starts the class's model from DDP's parameters and buffers. Trained apart, two models
-    that differ by one rounding drift further at every float32 SGD step, more or less depending
-    on the CPU's convolution kernels (with 3 processes a correct class and DDP both drifted to
-    1e-3 within three steps, while in float64 the same class stayed within 3e-15 of a plain
-    average), so a tolerance of 1e-5 holds on every CPU only for one step from equal parameters.
+    Each step starts the class's model from DDP's parameters and buffers, because two correct
+    versions round the average differently (DDP divides before the sum, the reference after it;
+    with three ranks the order of the sum matters too). After a step their float32 parameters
+    differ by a rounding, which can move some ReLU input across zero: that position's share of a
+    gradient is then in one model and not in the other. Trained apart, a correct class and DDP
+    reached 1e-3 of the largest gradient within three steps with 3 processes (on an Intel Xeon),
+    while in float64 the reference stays within 1e-12 of a plain average for several steps
+    (tests/test_s06_bucketed.py). From equal parameters, one step differs only by the
+    all-reduce's rounding, about 1e-7 of the largest gradient on any CPU, well inside TOLERANCE.
     """
     loss_fn = torch.nn.functional.cross_entropy
     mine.load_state_dict(ddp.module.state_dict())   # in place: the class's hooks stay on the same tensors

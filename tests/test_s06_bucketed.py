@@ -12,6 +12,7 @@ tests that start processes (common.launch, directly or inside the check) carry t
 import nbpair
 import pytest
 import torch
+import workers
 from helpers import ROOT
 
 import common
@@ -255,18 +256,19 @@ def test_the_check_refuses_a_world_of_one():
 
 # With processes (common.launch): the reference, planted bugs and the notebook's skeleton
 
-def _launch(name, folder, procs):
-    return combine(common.launch(bucketed_check, procs, name, str(folder), None, threads=1, timeout=120,
-                                 op_timeout=60))
+def _graded(folder, procs):
+    """{name: combined bucketed_check result} for every planted bug, graded in one group of `procs` processes."""
+    for name, code in PLANTED.items():
+        (folder / f'{name}.py').write_text(code)
+    results = common.launch(workers.bucketed_checks, procs, sorted(PLANTED), str(folder), threads=1, timeout=180,
+                            op_timeout=60)
+    return {name: combine([r[name] for r in results]) for name in PLANTED}
 
 
 @pytest.fixture(scope='module')
 def planted(tmp_path_factory):
-    """{name: combined bucketed_check result} for each planted bug, in two gloo processes."""
-    folder = tmp_path_factory.mktemp('planted')
-    for name, code in PLANTED.items():
-        (folder / f'{name}.py').write_text(code)
-    return {name: _launch(name, folder, 2) for name in PLANTED}
+    """{procs: {name: combined result}} for each planted bug, in two and in three gloo processes."""
+    return {procs: _graded(tmp_path_factory.mktemp(f'planted{procs}'), procs) for procs in (2, 3)}
 
 
 @pytest.mark.procs
@@ -281,14 +283,16 @@ def test_the_reference_passes_every_part(procs, capsys):
 
 
 @pytest.mark.procs
+@pytest.mark.parametrize('procs', [2, 3])
 @pytest.mark.parametrize('bug', sorted(PLANTED))
-def test_each_planted_bug_fails_its_own_part(planted, bug):
-    failed = {name for name, ok in _ok(planted[bug]).items() if not ok}
-    assert failed == FAILS[bug], f'{bug}: failed {failed}'
+def test_each_planted_bug_fails_its_own_part(planted, bug, procs):
+    failed = {name for name, ok in _ok(planted[procs][bug]).items() if not ok}
+    assert failed == FAILS[bug], f'{bug} in {procs} processes: failed {failed}'
 
 
 @pytest.mark.procs
 def test_the_planted_bugs_say_why(planted):
+    planted = planted[2]
     assert planted['no_division']['grads'] >= 0.5   # twice DDP's gradients: a gap of about the largest one
     assert all(early == 0 for early, _ in map(overlapping, planted['wait_in_hook']['passes']))
     assert all(n == planted['one_per_parameter']['params'] for _, n in map(overlapping,
@@ -296,13 +300,28 @@ def test_the_planted_bugs_say_why(planted):
 
 
 @pytest.mark.procs
-def test_planted_bugs_fail_in_three_processes_too(tmp_path, capsys):
-    for name in ('wait_in_hook', 'unused_ignored', 'no_broadcast'):
-        (tmp_path / f'{name}.py').write_text(PLANTED[name])
-    names = {'wait_in_hook': 'the overlap', 'unused_ignored': 'the unused layer', 'no_broadcast': 'the start'}
-    for name, part in names.items():
-        assert common.check_bucketed_allreduce(name, folder=tmp_path, procs=3) == 'fail'
-        assert capsys.readouterr().out.rstrip().endswith(f'Result: fail ({part})')
+def test_a_planted_bug_in_three_processes_prints_its_part(tmp_path, capsys):
+    (tmp_path / 'unused_ignored.py').write_text(PLANTED['unused_ignored'])
+    assert common.check_bucketed_allreduce('unused_ignored', folder=tmp_path, procs=3) == 'fail'
+    assert capsys.readouterr().out.rstrip().endswith('Result: fail (the unused layer)')
+
+
+# Accumulation first, in the middle and last: micro-batches per step
+PLANS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize('procs', [2, 3])
+def test_the_reference_equals_a_plain_average_in_float64_with_accumulation_anywhere(tmp_path, procs):
+    """Trained together for several steps, never reset: the reference stays on the plain average; a class
+    that keeps only the last micro-batch's gradient does not (its gap is of the order of the gradients)."""
+    (tmp_path / 'overwritten.py').write_text(PLANTED['accumulation_overwritten'])
+    results = common.launch(workers.bucketed_against_plain_average, procs, ['comp_perf.s06_bucketed', 'overwritten'],
+                            str(tmp_path), PLANS, threads=1, timeout=120, op_timeout=60)
+    for plan, *gaps in zip(PLANS, *(r['comp_perf.s06_bucketed'] for r in results)):
+        assert max(gaps) < 1e-12, f'{procs} processes, micro-batches {plan}: the reference is {max(gaps):.1e} away'
+    for plan, *gaps in zip(PLANS, *(r['overwritten'] for r in results)):
+        assert max(gaps) > 1e-3, f'{procs} processes, micro-batches {plan}: the planted bug passed ({max(gaps):.1e})'
 
 
 @pytest.mark.procs

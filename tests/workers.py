@@ -98,3 +98,62 @@ def intra_op_threads(rank, world_size):
 def large_result(rank, world_size):
     """1 MB per rank: the queue's feeder thread is still writing it when the worker leaves."""
     return torch.full((250_000,), float(rank))
+
+
+def bucketed_against_plain_average(rank, world_size, modules, folder, plans):
+    """Section 06's BucketedAllReduce of each module against a plain average, in float64.
+
+    For each plan (micro-batches per step, say (2, 1, 1)) a float64 ResNet-18 of width 8 from one
+    seed is trained twice on this rank's batches, never reset between steps: once with the
+    module's class and once plainly, its gradients accumulated over the micro-batches, then
+    summed with one all_reduce and divided by the world size. Returns {module: [largest gap of
+    each plan]}, each the largest over the plan's steps of the gradients' difference relative to
+    the largest gradient. In float64 two correct versions differ by roundings of about 1e-16,
+    too small to move a ReLU's input across zero, so they stay together step after step; in
+    float32 they need not (comp_perf/s06_bucketed.py, _step).
+    """
+    import copy
+    import importlib
+    import sys
+
+    from comp_perf.s06_ddp import resnet18
+    sys.path.insert(0, folder)
+    gaps = {}
+    for module in modules:
+        cls = importlib.import_module(module).BucketedAllReduce
+        gaps[module] = [_plain_average_gap(cls, plan, rank, world_size, resnet18, copy) for plan in plans]
+    return gaps
+
+
+def _plain_average_gap(cls, plan, rank, world_size, resnet18, copy):
+    torch.manual_seed(0)
+    mine = resnet18(width=8).double()
+    plain = copy.deepcopy(mine)
+    cls(mine, bucket_mb=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    worst = 0.0
+    for micro_batches in plan:
+        for model in (mine, plain):
+            model.zero_grad()
+        for _ in range(micro_batches):
+            X = torch.randn(16, 1, 28, 28, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 10, (16,), generator=gen)
+            for model in (mine, plain):
+                torch.nn.functional.cross_entropy(model(X), y).backward()
+        for p in plain.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        pairs = list(zip(mine.parameters(), plain.parameters()))
+        largest = max(float(b.grad.abs().max()) for _, b in pairs)
+        worst = max(worst, max(float((a.grad - b.grad).abs().max()) for a, b in pairs) / largest)
+        with torch.no_grad():
+            for a, b in pairs:
+                a -= 0.1 * a.grad
+                b -= 0.1 * b.grad
+    return worst
+
+
+def bucketed_checks(rank, world_size, modules, folder):
+    """Section 06's check worker for several modules in one process group: {module: its result}."""
+    from comp_perf.s06_bucketed import bucketed_check
+    return {module: bucketed_check(rank, world_size, module, folder) for module in modules}
