@@ -138,13 +138,17 @@ def _train(make_optimizer, run, part, grouped=False):
 
     make_optimizer(params) builds the optimiser; with grouped=True it gets two
     param groups as dicts, and a StepLR halves every group's lr after each step.
+    In float64: the sharded and the whole-batch runs, trained apart, round differently, and the
+    check's trajectory brings a ReLU input within 2e-5 of its layer's largest one, close enough
+    for some CPU's float32 rounding to move it across zero and change a gradient; float64's
+    roundings (about 1e-16) cannot, so `tol` then measures the optimiser, not the CPU.
     """
-    model = mlp(run['widths'])
+    model = mlp(run['widths']).double()
     params = _two_groups(model, run['lr']) if grouped else model.parameters()
     optimizer = make_optimizer(params)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) if grouped else None
     for x, y in teacher_batches(run['steps'], run['batch_size'], run['widths'][0], run['widths'][-1]):
-        torch.nn.functional.cross_entropy(*part(model, x, y)).backward()
+        torch.nn.functional.cross_entropy(*part(model, x.double(), y)).backward()
         optimizer.step()
         optimizer.zero_grad()
         if scheduler:
