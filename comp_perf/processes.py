@@ -73,6 +73,18 @@ def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_
     if names is not None and len(names) != world_size:
         raise ValueError(f'names has {len(names)} entries for {world_size} processes.')
     threads = threads or max(1, usable_cores() // world_size)
+    group = (fn, world_size, args, backend, threads, op_timeout)
+    try:
+        return _run_group(group, timeout, names)
+    except ConnectionFailed as failure:   # nothing of fn ran yet: one more try is safe
+        print(tr('launch: the worker processes could not connect to each other ({why}); '
+                 'starting them once more', why=failure.why), file=sys.stderr)
+        return _run_group(group, timeout, names)
+
+
+def _run_group(group, timeout, names):
+    """Start the group's processes with a store of their own, collect their results, leave no process."""
+    fn, world_size, args, backend, threads, op_timeout = group
     ctx = mp.get_context('spawn')
     results = ctx.Queue()
     # The store lives here, on a port the OS picks, so parallel notebooks never collide.
@@ -142,6 +154,25 @@ class WorkerError(RuntimeError):
     """A worker process failed; the message holds its rank and traceback."""
 
 
+class ConnectionFailed(WorkerError):
+    """The processes could not connect to each other while joining the group; fn had not started."""
+
+    def __init__(self, message, why):
+        super().__init__(message)
+        self.why = why
+
+
+# What gloo (and torch's store) say when a connection between the processes fails while they join:
+# a peer that gave up or went away mid-handshake, or an address that something else answered.
+CONNECTION_ERRORS = ('connectFullMesh', 'Connection closed by peer', 'Connection reset by peer',
+                     'Connection refused', 'Broken pipe')
+
+
+def connection_failure(text):
+    """The first of CONNECTION_ERRORS in a traceback or log, or None."""
+    return next((e for e in CONNECTION_ERRORS if e in text), None)
+
+
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago (another process may take it first)."""
     with socket.socket() as s:
@@ -163,18 +194,39 @@ def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300, show=False)
     otherwise every node's LOCAL_RANK 0 would pick cuda:0, which NCCL refuses.
     The script sees COURSE_LANG, so that its common.tr() speaks the notebook's language.
     """
-    base = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nproc_per_node}']
-    if nnodes == 1:
-        commands = [base + ['--standalone', str(script), *map(str, args)]]
-    else:
-        rendezvous = [f'--nnodes={nnodes}', '--rdzv-backend=c10d', f'--rdzv-id={uuid.uuid4().hex[:8]}',
-                      f'--rdzv-endpoint=127.0.0.1:{free_port()}']
-        commands = [base + rendezvous + [str(script), *map(str, args)]] * nnodes
     visible = node_gpus(nnodes, nproc_per_node)
+    commands = _torchrun_commands(script, args, nproc_per_node, nnodes)
     if show:
         for node, command in enumerate(commands):
             prefix = f'CUDA_VISIBLE_DEVICES={visible[node]} ' if visible[node] is not None else ''
             print(tr('node {node}: {command}', node=node, command=prefix + shlex.join(['torchrun'] + command[3:])))
+    try:
+        return _run_launchers(script, commands, visible, timeout)
+    except ConnectionFailed as failure:   # the workers never formed their group: the script's work had not started
+        print(tr('torchrun: the worker processes could not connect to each other ({why}); '
+                 'starting them once more', why=failure.why), file=sys.stderr)
+        # a fresh rendezvous port and id: the old port may be what something else answered
+        return _run_launchers(script, _torchrun_commands(script, args, nproc_per_node, nnodes), visible, timeout)
+
+
+# What torchrun's output shows when its processes failed to meet, before the script's own work:
+# gloo's connections while joining, or the rendezvous store (a multi-node run's free_port() can be
+# taken by another program between the moment it is picked and the moment torchrun binds it).
+JOIN_ERRORS = ('connectFullMesh', 'RendezvousConnectionError', 'The connection to the C10d store has failed')
+
+
+def _torchrun_commands(script, args, nproc_per_node, nnodes):
+    """The command line of each launcher: --standalone for one node, else a c10d rendezvous on a free port."""
+    base = [sys.executable, '-m', 'torch.distributed.run', f'--nproc-per-node={nproc_per_node}']
+    if nnodes == 1:
+        return [base + ['--standalone', str(script), *map(str, args)]]
+    rendezvous = [f'--nnodes={nnodes}', '--rdzv-backend=c10d', f'--rdzv-id={uuid.uuid4().hex[:8]}',
+                  f'--rdzv-endpoint=127.0.0.1:{free_port()}']
+    return [base + rendezvous + [str(script), *map(str, args)]] * nnodes
+
+
+def _run_launchers(script, commands, visible, timeout):
+    """Run the launchers at once and return their outputs; raise on failure (ConnectionFailed if they never met)."""
     logs = [tempfile.TemporaryFile(mode='w+') for _ in commands]
     # the script prints in the notebook's language: a Chinese notebook's language comes from its folder,
     # which a script started elsewhere would not see
@@ -196,8 +248,10 @@ def torchrun(script, *args, nproc_per_node=1, nnodes=1, timeout=300, show=False)
             time.sleep(0.1)
         for node, p in enumerate(procs):
             if p.returncode:
-                raise RuntimeError(f'torchrun {script} (node {node}) exited with code {p.returncode}:\n'
-                                   + '\n'.join(output(node).splitlines()[-60:]))
+                message = (f'torchrun {script} (node {node}) exited with code {p.returncode}:\n'
+                           + '\n'.join(output(node).splitlines()[-60:]))
+                why = next((e for e in JOIN_ERRORS if e in output(node)), None)
+                raise ConnectionFailed(message, why) if why else RuntimeError(message)
         if any(p.returncode is None for p in procs):
             raise TimeoutError(f'torchrun {script} did not finish within {timeout} s; stopped it.')
         return [output(node) for node in range(len(procs))]
@@ -291,7 +345,8 @@ def _worker_main(rank, world_size, port, backend, threads, fn, args, results, pa
             exc = e
         except Exception:
             exc = None
-        outcome = (rank, 'error', (exc, tb, time.time()))
+        # 'join-error': the group never formed here, so fn did not run on this rank
+        outcome = (rank, 'error' if joined else 'join-error', (exc, tb, time.time()))
     # Report before leaving the group: leaving makes peers fail, and their
     # secondary errors must not arrive ahead of this one. Plain pickle copies
     # tensors by value (torch's queue would share them through this process,
@@ -378,7 +433,7 @@ def _raise_first_error(rank, payload, results, procs, names, grace=1.0):
             r, status, p = pickle.loads(results.get(timeout=max(0.01, deadline - time.monotonic())))
         except queue.Empty:
             break
-        if status == 'error':
+        if status in ('error', 'join-error'):
             errors.append((p[2], r, p))
     # A closed connection is a consequence (the peer died, timed out or gave up first):
     # prefer any other error, then the earliest.
@@ -420,7 +475,10 @@ def _collect(procs, results, timeout, names=None):
                 raise TimeoutError(f'worker rank(s) {waiting} did not finish within '
                                    f'{timeout} s; all workers were stopped.')
             continue
-        if status == 'error':
+        if status == 'join-error' and connection_failure(payload[1]):
+            raise ConnectionFailed(f'worker {_label(rank, names)} could not connect to its peers:\n{payload[1]}',
+                                   connection_failure(payload[1]))
+        if status in ('error', 'join-error'):
             _raise_first_error(rank, payload, results, procs, names)
         done[rank] = payload
     return [done[r] for r in range(len(procs))]

@@ -202,3 +202,93 @@ def test_nccl_groups_are_bound_to_the_ranks_gpu_and_gloo_groups_to_none():
 def test_launch_gives_each_process_its_share_of_the_usable_cores():
     share = max(1, common.usable_cores() // 2)
     assert common.launch(workers.intra_op_threads, 2) == [share, share]
+
+
+# Joining under load: a rendezvous that fails because the processes could not connect is tried once more
+
+def _fake_group_failing(times, monkeypatch):
+    """Make processes._run_group raise ConnectionFailed `times` times, then return 'result'; count the calls."""
+    from comp_perf import processes
+    calls = []
+
+    def run_group(group, timeout, names):
+        calls.append(group)
+        if len(calls) <= times:
+            raise processes.ConnectionFailed('worker rank 1 could not connect to its peers', 'connectFullMesh')
+        return 'result'
+    monkeypatch.setattr(processes, '_run_group', run_group)
+    return calls
+
+
+def test_launch_tries_once_more_when_the_workers_could_not_connect_and_says_so(monkeypatch, capsys):
+    calls = _fake_group_failing(1, monkeypatch)
+    assert common.launch(workers.rank_and_world, 2) == 'result'
+    assert len(calls) == 2 and calls[0] == calls[1]
+    err = capsys.readouterr().err
+    assert 'could not connect to each other (connectFullMesh); starting them once more' in err
+
+
+def test_launch_gives_up_after_a_second_failed_connection(monkeypatch):
+    from comp_perf.processes import ConnectionFailed
+    calls = _fake_group_failing(2, monkeypatch)
+    with pytest.raises(ConnectionFailed, match='could not connect to its peers'):
+        common.launch(workers.rank_and_world, 2)
+    assert len(calls) == 2
+
+
+class _Finished:
+    exitcode = None
+
+
+def _messages(*outcomes):
+    import pickle
+    import queue
+    q = queue.Queue()
+    for outcome in outcomes:
+        q.put(pickle.dumps(outcome))
+    return q
+
+
+def test_only_a_connection_failure_while_joining_counts_as_one():
+    from comp_perf.processes import ConnectionFailed, WorkerError, _collect
+    mesh = 'RuntimeError: Gloo connectFullMesh failed with ... Connection closed by peer [127.0.0.1]:4242'
+    procs = [_Finished(), _Finished()]
+    with pytest.raises(ConnectionFailed) as failed:
+        _collect(procs, _messages((1, 'join-error', (None, mesh, time.time()))), timeout=5)
+    assert failed.value.why == 'connectFullMesh'
+    # the same words from a worker whose group had formed: its peer died while fn ran, no retry
+    with pytest.raises(WorkerError) as failed:
+        _collect(procs, _messages((1, 'error', (None, mesh, time.time()))), timeout=5)
+    assert not isinstance(failed.value, ConnectionFailed)
+    # failing to join for another reason (a wrong device, say) is that reason, no retry
+    with pytest.raises(WorkerError) as failed:
+        _collect(procs, _messages((0, 'join-error', (None, 'ValueError: no such device', time.time()))), timeout=5)
+    assert not isinstance(failed.value, ConnectionFailed)
+
+
+def test_torchrun_tries_once_more_with_a_fresh_rendezvous_when_its_processes_never_met(monkeypatch, capsys):
+    from comp_perf import processes
+    seen = []
+
+    def run_launchers(script, commands, visible, timeout):
+        seen.append(commands)
+        if len(seen) == 1:
+            raise processes.ConnectionFailed('torchrun x.py (node 1) exited with code 1', 'RendezvousConnectionError')
+        return ['out0', 'out1']
+    monkeypatch.setattr(processes, '_run_launchers', run_launchers)
+    assert common.torchrun('x.py', nnodes=2) == ['out0', 'out1']
+    endpoint = [[arg for arg in commands[0] if arg.startswith('--rdzv-')] for commands in seen]
+    assert endpoint[0] != endpoint[1], 'the second try must meet on a new port with a new id'
+    assert 'could not connect to each other (RendezvousConnectionError)' in capsys.readouterr().err
+
+
+@pytest.mark.procs
+def test_torchrun_tells_a_failed_join_from_a_failing_script():
+    from comp_perf.processes import ConnectionFailed, _run_launchers
+    joined_never = [sys.executable, '-c', "print('RuntimeError: Gloo connectFullMesh failed'); raise SystemExit(1)"]
+    with pytest.raises(ConnectionFailed):
+        _run_launchers('x.py', [joined_never], [None], timeout=30)
+    script_failed = [sys.executable, '-c', "print('ZeroDivisionError; Connection closed by peer'); raise SystemExit(1)"]
+    with pytest.raises(RuntimeError) as failed:
+        _run_launchers('x.py', [script_failed], [None], timeout=30)
+    assert not isinstance(failed.value, ConnectionFailed)

@@ -17,7 +17,7 @@ from helpers import ROOT
 
 import common
 from comp_perf import s06_bucketed
-from comp_perf.s06_bucketed import TOLERANCE, bucketed_check, bucketed_parts, combine, overlapping
+from comp_perf.s06_bucketed import TOLERANCE, bucketed_parts, combine, overlapping
 
 REFERENCE = 'from comp_perf.s06_bucketed import BucketedAllReduce as Reference, make_buckets\n'
 
