@@ -74,3 +74,16 @@ def test_unmarked_tests_that_start_processes_fail_and_so_does_a_needless_mark(py
     assert f"{refused}; it started ['true']" in why['test_uses_a_fixture_that_starts_a_server']
     assert ('this test is marked procs but started no process, nor did a fixture it uses: drop the mark'
             in why['test_marked_but_starts_nothing'])
+
+
+def test_the_timing_report_sums_seconds_per_file_and_per_tier():
+    from types import SimpleNamespace
+
+    import timing_report
+    reports = [SimpleNamespace(nodeid='tests/test_a.py::x', duration=1.5, keywords={'procs': 1}),
+               SimpleNamespace(nodeid='tests/test_a.py::y', duration=0.5, keywords={}),
+               SimpleNamespace(nodeid='notebooks/en/02.ipynb::Cell 3', duration=2.0, keywords={'notebooks': 1}),
+               SimpleNamespace(nodeid='', duration=9.0, keywords={})]   # a session-level report: no file
+    by_file = timing_report.seconds_by(reports, lambda r: r.nodeid.split('::')[0])
+    assert by_file == {'tests/test_a.py': 2.0, 'notebooks/en/02.ipynb': 2.0}
+    assert timing_report.seconds_by(reports, timing_report.tier_of) == {'procs': 1.5, 'quick': 0.5, 'notebooks': 2.0}

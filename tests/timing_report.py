@@ -1,15 +1,38 @@
-"""Print how long each notebook took under nbval, for instructors' timing tables."""
+"""Print where a run's time went: seconds per notebook (nbval, for instructors' timing tables),
+per test file and per tier (quick, procs, export, browser, notebooks), set-up and teardown included."""
 from collections import defaultdict
+
+TIERS = ('notebooks', 'browser', 'export', 'procs')   # the first of these marks an item has is its tier
+
+
+def tier_of(report):
+    """The tier of a test report, from the marks tests/conftest.py gives each item; 'quick' if none."""
+    keywords = getattr(report, 'keywords', {}) or {}
+    return next((tier for tier in TIERS if tier in keywords), 'quick')
+
+
+def seconds_by(reports, key):
+    """{key(report): summed duration} over reports that belong to a test file."""
+    seconds = defaultdict(float)
+    for report in reports:
+        if getattr(report, 'nodeid', ''):
+            seconds[key(report)] += getattr(report, 'duration', 0.0) or 0.0
+    return seconds
 
 
 def pytest_terminal_summary(terminalreporter):
-    seconds = defaultdict(float)
-    for reports in terminalreporter.stats.values():
-        for report in reports:
-            path = getattr(report, 'nodeid', '').split('::')[0]
-            if path.endswith('.ipynb'):
-                seconds[path] += getattr(report, 'duration', 0.0)
-    if seconds:
+    reports = [r for group in terminalreporter.stats.values() for r in group if hasattr(r, 'duration')]
+    path = lambda r: r.nodeid.split('::')[0]   # noqa: E731
+    notebooks = {p: s for p, s in seconds_by(reports, path).items() if p.endswith('.ipynb')}
+    if notebooks:
         terminalreporter.write_sep('-', 'seconds per notebook (nbval)')
-        for path, total in sorted(seconds.items()):
-            terminalreporter.write_line(f'{total:7.1f}  {path}')
+        for name, total in sorted(notebooks.items()):
+            terminalreporter.write_line(f'{total:7.1f}  {name}')
+    files = seconds_by(reports, path)
+    if files:
+        terminalreporter.write_sep('-', 'seconds per test file, longest first')
+        for name, total in sorted(files.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f'{total:7.1f}  {name}')
+        terminalreporter.write_sep('-', 'seconds per tier')
+        for tier, total in sorted(seconds_by(reports, tier_of).items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f'{total:7.1f}  {tier}')
