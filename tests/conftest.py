@@ -7,6 +7,9 @@ Markers:
   procs      tests that start processes: worker groups,   written on the test, @pytest.mark.procs
              torchrun, subprocesses, kernels, servers     (or a module's pytestmark)
 The quick tier, `./course test --quick`, deselects all four.
+  slow       a test that repeats what a faster one checks  written on the test, @pytest.mark.slow
+             (the six-lecture cut executed, beside its     deselected unless `--slow` is given
+             static check), kept for a maintainer
 
 The procs mark is enforced, in every tier: while a test without any of these marks runs
 (its fixtures' set-up and teardown included), starting a process fails it with "this test
@@ -34,12 +37,23 @@ MARKERS = {'notebooks': "nbval's cells of the stored notebooks",
 MAY_START = ('notebooks', 'browser', 'export', 'procs')
 
 
+def pytest_addoption(parser):
+    parser.addoption('--slow', action='store_true',
+                     help='also run the tests marked slow (each repeats, slower, what another test checks)')
+
+
 def pytest_configure(config):
-    for name, meaning in MARKERS.items():
+    for name, meaning in {**MARKERS, 'slow': 'repeats a faster check; runs only with --slow'}.items():
         config.addinivalue_line('markers', f'{name}: {meaning}')
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption('--slow'):
+        # Deselected rather than skipped: CI's budget (20 minutes) leaves them out on purpose.
+        slow = [item for item in items if item.get_closest_marker('slow')]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker('slow')]
     for item in items:
         path = str(getattr(item, 'path', item.fspath))
         if path.endswith('.ipynb'):

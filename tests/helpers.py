@@ -1,7 +1,7 @@
 """What several test files share: the checkout's paths, the stored notebooks, the visible text of
 their markdown, and the helpers of the tests that drive JupyterLab and Chromium.
 
-Code that a section defines on its page is read by tests/notebook_code.py; the tests'
+Code that a section defines on its page is read by tools/notebook_code.py; the tests'
 fixtures are in tests/conftest.py.
 """
 import os

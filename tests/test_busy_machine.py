@@ -97,3 +97,37 @@ def test_no_assertion_of_these_pages_compares_timings(section):
                 if any(name in text for name in TIMING_NAMES):
                     offending.append(text)
     assert offending == []
+
+
+BUSY_LOOP = 'import time\nend = time.time() + {s}\nwhile time.time() < end:\n    pass\n'
+
+
+@pytest.mark.procs
+def test_02s_thread_hand_offs_finish_within_seconds_beside_two_busy_processes():
+    """02's back end on a worker thread, 12 steps as its slider cell runs them, while two programs keep both
+    cores busy: the hand-offs wait for a core, so the steps take longer, but seconds, not minutes (a
+    reviewer's Run All once spent a quarter of an hour in 02 under load; that time went to the notebook
+    runner waiting for a widget cell's reply while the kernel sat idle, and this bound keeps the thread
+    hand-offs out of suspicion)."""
+    import subprocess
+    import sys
+    import time
+
+    from notebook_code import definitions
+    page = definitions('02-asynchronous-computation', 'cfg', 'AsyncBackend', 'weight', 'front_end_work',
+                       'back_end_work', 'run_steps')
+    busy = [subprocess.Popen([sys.executable, '-c', BUSY_LOOP.format(s=60)]) for _ in range(2)]
+    threads = torch.get_num_threads()
+    try:
+        time.sleep(0.5)                      # both busy programs running before the steps start
+        torch.set_num_threads(1)             # as the page's cell does
+        start = time.perf_counter()
+        total, spans = page['run_steps'](3, steps=12)
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert sum(lane == 'back end' for lane, *_ in spans) == 12
+    assert seconds < 20, f'12 steps took {seconds:.1f} s beside two busy processes'

@@ -213,14 +213,43 @@ def names_bound(code):
 
 
 def names_read(code):
+    """Names a code cell reads, and the top-level modules it imports (a dropped cell may have written one)."""
     import ast
-    return {node.id for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Name)
-            and isinstance(node.ctx, ast.Load)}
+    read = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            read.add(node.id)
+        elif isinstance(node, ast.Import):
+            read |= {a.name.split('.')[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            read.add(node.module.split('.')[0])
+    return read
 
 
 def python_of(cell):
-    lines = [line for line in cell.source.splitlines() if not line.lstrip().startswith(('%', '!'))]
-    return '\n'.join(lines) if not cell.source.lstrip().startswith('%%') else ''
+    """A code cell's Python: line magics and shell lines dropped, a cell magic's body kept (%%time …),
+    and nothing of a %%writefile cell, whose body is a file's text."""
+    lines = cell.source.splitlines()
+    if lines and lines[0].startswith('%%'):
+        if lines[0].startswith('%%writefile'):
+            return ''
+        lines = lines[1:]
+    return '\n'.join(line for line in lines if not line.lstrip().startswith(('%', '!')))
+
+
+def files_written(cell):
+    """What a %%writefile cell gives later cells: 'file:' and its path, and the module it can be imported as."""
+    first = cell.source.split('\n', 1)[0].split()
+    if not first or first[0] != '%%writefile':
+        return set()
+    path = first[-1]
+    stem = path.rsplit('/', 1)[-1]
+    return {f'file:{path}'} | ({stem[:-3]} if stem.endswith('.py') else set())
+
+
+def files_named(cell, provided):
+    """The written files of `provided` whose path the cell's text names."""
+    return {f for f in provided if f.startswith('file:') and f[len('file:'):] in cell.source}
 
 
 def dropped_cells(stem, cells, drops):
@@ -236,7 +265,13 @@ def dropped_cells(stem, cells, drops):
 
 
 def cut_problems(english, drops):
-    """Names a kept cell of the six-lecture cut reads that only a dropped cell before it binds."""
+    """Names and written files a kept cell of the six-lecture cut needs that only a dropped cell before it
+    provides.
+
+    This is the cut's Run All, read instead of executed: it finds the NameError, the import of a module a
+    dropped %%writefile cell wrote, the file not found. State a dropped cell changes without binding a name
+    (an attribute set, a random draw) it cannot see; `./course test --slow` runs the cut for real
+    (test_the_six_lecture_cut_executes_top_to_bottom)."""
     problems = []
     for stem, cells in english.items():
         dropped = dropped_cells(stem, cells, drops)
@@ -245,12 +280,14 @@ def cut_problems(english, drops):
             if cell.cell_type != 'code':
                 continue
             code = python_of(cell)
+            provides = names_bound(code) | files_written(cell)
             if i in dropped:
-                only_dropped |= names_bound(code) - kept_bound
+                only_dropped |= provides - kept_bound
                 continue
-            missing = (names_read(code) & only_dropped) - kept_bound
+            needs = names_read(code) | files_named(cell, only_dropped)
+            missing = (needs & only_dropped) - kept_bound
             problems += [f'{stem} c{i:03d} reads {name}, bound only in a dropped part' for name in sorted(missing)]
-            kept_bound |= names_bound(code)
+            kept_bound |= provides
     return problems
 
 
@@ -263,6 +300,20 @@ def test_a_cut_that_drops_what_a_kept_cell_needs_is_found(stored_en):
     drops = list(lp.CUT_DROPS) + [('09-one-training-step', 'The first draft')]
     found = cut_problems(stored_en, drops)
     assert any(p.startswith('09-one-training-step') and 'make_step' in p for p in found), found
+
+
+def test_a_cut_that_drops_a_file_or_a_timed_definition_a_kept_cell_needs_is_found():
+    import nbformat
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    cells = [md('# 99 Demo'), md('## Writes'), code('%%writefile artifacts/probe.c\nint main() {}'),
+             code('%%writefile my_worker.py\ndef work(): pass'), code('%%time\ntimed = 1'),
+             md('## Uses'), code("probe = common.compile_c('artifacts/probe.c')"),
+             code('import my_worker\nmy_worker.work()'), code('%%time\nprint(timed)'), md('## Summary')]
+    found = cut_problems({'99-demo': cells}, [('99-demo', 'Writes')])
+    assert found == ['99-demo c006 reads file:artifacts/probe.c, bound only in a dropped part',
+                     '99-demo c007 reads my_worker, bound only in a dropped part',
+                     '99-demo c008 reads timed, bound only in a dropped part'], found
+    assert cut_problems({'99-demo': cells}, []) == []
 
 
 def cut_notebook(stem, cells, drops):
@@ -303,6 +354,7 @@ def test_the_cut_is_executed_wherever_it_drops_a_part_before_kept_code(stored_en
     assert sections_cut_before_kept_code(stored_en, lp.CUT_DROPS) == CUT_EXECUTED
 
 
+@pytest.mark.slow
 @pytest.mark.procs
 @pytest.mark.notebooks
 @pytest.mark.parametrize('stem', CUT_EXECUTED)

@@ -300,3 +300,64 @@ def test_the_unused_check_fails_on_a_planted_helper():
     assert unused(defined, listed, planted + [(None, ast.parse(imported))]) == []
     attribute = 'from comp_perf import planted as p\np.planted_helper()\n'
     assert unused(defined, listed, planted + [(None, ast.parse(attribute))]) == []
+
+
+MAINTAINING = ROOT / 'MAINTAINING.md'
+TREE_ITEM = re.compile(r'^[│ ]*[├└]── (\S+)')
+
+
+def layout_trees(text):
+    """[{folder: {name, ...}}] of each ```text layout block of MAINTAINING.md (one per language)."""
+    trees = []
+    for block in re.findall(r'^### (?:Layout|目录结构)\n+```text\n(.*?)^```', text, re.M | re.S):
+        tree, folder = {}, None
+        for line in block.splitlines():
+            item = TREE_ITEM.match(line)
+            if item and folder:
+                tree[folder].add(item.group(1).rstrip('/'))
+            elif not line.startswith((' ', '│')):
+                name = line.split()[0] if line.split() else ''
+                folder = name.rstrip('/') if name.endswith('/') else None
+                if folder:
+                    tree[folder] = set()
+        trees.append(tree)
+    return trees
+
+
+def files_in(folder):
+    """What a layout tree should list of a folder: its files and folders, but tests' test_*.py as one line."""
+    names = {p.name for p in (ROOT / folder).iterdir()
+             if not p.name.startswith(('.', '__')) and p.suffix not in ('.pyc',)}
+    if folder == 'tests':
+        names = {n for n in names if not n.startswith('test_')} | {'test_*.py'}
+    return names
+
+
+LAID_OUT = ('comp_perf', 'tools', 'tests')
+
+
+def layout_problems(text, actual):
+    """What each language's layout tree in MAINTAINING.md lists wrongly, against {folder: names}."""
+    trees = layout_trees(text)
+    problems = [] if len(trees) == 2 else [f'{len(trees)} layout blocks, expected one per language']
+    for tree in trees:
+        for folder in LAID_OUT:
+            shown = tree.get(folder, set())
+            problems += [f'{folder}/{n} is in the tree, not on disk' for n in sorted(shown - actual[folder])]
+            problems += [f'{folder}/{n} is on disk, not in the tree' for n in sorted(actual[folder] - shown)]
+    return problems
+
+
+def test_maintainings_layout_shows_every_module_and_tool_in_both_languages():
+    actual = {folder: files_in(folder) for folder in LAID_OUT}
+    assert not layout_problems(MAINTAINING.read_text(encoding='utf-8'), actual)
+
+
+def test_the_layout_check_fails_on_a_planted_missing_module():
+    actual = {folder: files_in(folder) for folder in LAID_OUT}
+    text = MAINTAINING.read_text(encoding='utf-8')
+    planted = dict(actual, comp_perf=actual['comp_perf'] | {'s11_triton_kernels.py'})
+    assert layout_problems(text, planted) == ['comp_perf/s11_triton_kernels.py is on disk, not in the tree'] * 2
+    removed = text.replace('├── s07_ring.py', '├── s07_rings.py', 1)
+    assert layout_problems(removed, actual) == ['comp_perf/s07_rings.py is in the tree, not on disk',
+                                                'comp_perf/s07_ring.py is on disk, not in the tree']

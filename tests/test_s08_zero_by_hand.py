@@ -62,6 +62,10 @@ def check(path, procs, capsys):
 
 
 PROCS = pytest.mark.parametrize('procs', [2, 3])
+# A bug in the optimiser's logic (a view, an ignored scheduler, a class that is not an Optimizer, a
+# sum for a mean) fails the same part at any world size: one process group of 2 shows it. Bugs in
+# where a shard starts or how shards come back together are tested at 2 and 3 (other padding).
+LOGIC = pytest.mark.parametrize('procs', [2])
 
 
 @PROCS
@@ -85,7 +89,7 @@ def test_a_wrong_shard_start_fails_a(procs, tmp_path, capsys):
     assert not passed and 'FAIL (a) Adam' in out and 'FAIL (a) SGD' in out, out
 
 
-@PROCS
+@LOGIC
 def test_a_shard_that_is_a_view_fails_c(procs, tmp_path, capsys):
     # right numbers, but each rank's shard keeps the whole flat buffer alive
     bug = planted(tmp_path, 'view', 'flat[start:start + size].clone()', 'flat[start:start + size]')
@@ -95,15 +99,14 @@ def test_a_shard_that_is_a_view_fails_c(procs, tmp_path, capsys):
     assert all(r > 0.9 for r in ratios)
 
 
-@PROCS
+@LOGIC
 def test_gradients_summed_not_averaged_fail_a_with_sgd_only(procs, tmp_path, capsys):
     # Adam hardly notices a gradient scaled by N; SGD with momentum does
-    # (at 3 ranks Adam's eps lets a few 1e-5 through: Adam is still 1000 times closer than SGD)
     bug = planted(tmp_path, 'summed', 'return grad_shard / self.world', 'return grad_shard')
     passed, out = check(bug, procs, capsys)
     assert not passed and 'FAIL (a) SGD' in out and 'pass (b)' in out and 'pass (c)' in out, out
     adam, sgd = (float(re.search(rf'\(a\) {name}: .* by (\S+) of', out).group(1)) for name in ('Adam', 'SGD'))
-    assert sgd > 1000 * adam and ('pass (a) Adam' in out or procs > 2), out
+    assert sgd > 1000 * adam and 'pass (a) Adam' in out, out
 
 
 @PROCS
@@ -116,7 +119,7 @@ def test_no_all_gather_fails_a(procs, tmp_path, capsys):
     assert not passed and 'FAIL (a) Adam' in out and 'FAIL (a) SGD' in out, out
 
 
-@PROCS
+@LOGIC
 def test_a_scheduler_the_step_ignores_fails_d(procs, tmp_path, capsys):
     # the inner optimiser keeps its first lr: StepLR halves an lr nobody reads
     bug = planted(tmp_path, 'no_sync', "inner.update({key: value for key, value in group.items() if key != 'params'})",
@@ -125,7 +128,7 @@ def test_a_scheduler_the_step_ignores_fails_d(procs, tmp_path, capsys):
     assert not passed and out.count('pass (a)') == 2 and 'FAIL (d)' in out, out
 
 
-@PROCS
+@LOGIC
 def test_a_class_that_is_not_an_optimizer_fails_d(procs, tmp_path, capsys):
     bug = planted(tmp_path, 'plain', 'class Zero1(torch.optim.Optimizer):', 'class Zero1(Plain):',
                   header=HEADER + NOT_AN_OPTIMIZER)

@@ -44,6 +44,12 @@ def killed_while_peer_waits(rank, world_size):
     dist.recv(torch.empty(1), 0)  # fails when rank 0 dies: connection closed
 
 
+def every_ring_check(rank, world_size, numel):
+    """{algorithm: largest difference from dist.all_reduce} for every ring algorithm, in one process group."""
+    from comp_perf.s07_ring import RING_ALGORITHMS, ring_check
+    return {algorithm: ring_check(rank, world_size, numel, algorithm) for algorithm in RING_ALGORITHMS}
+
+
 def check_a_broken_ring(rank, world_size, numel):
     import common
     from comp_perf.s07_ring import RING_ALGORITHMS

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / 'tests')]
+sys.path[:0] = [str(ROOT), str(ROOT / 'tools')]
 import common  # noqa: E402
 from notebook_code import definitions  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The code a section defines on its page, for tests: functions read from the notebook's source.
+"""The code a section defines on its page, for tests and tools: functions read from the notebook's source.
 
 A section's teaching code lives in its notebook, where the student reads it, not in
 common.py. Tests exercise exactly that code: `definitions('05-multi-gpu-from-scratch',
@@ -8,13 +8,15 @@ that has torch and common.
 """
 import ast
 import math
+from pathlib import Path
 
 import nbpair
 import numpy as np
 import torch
-from helpers import ROOT
 
 import common
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def section_of(src):
