@@ -49,8 +49,8 @@ def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_
     fn must live in an importable module (a .py file), not in a notebook.
     Returns the list of return values by rank. A worker's exception
     is re-raised here with its traceback; a worker that dies without a word
-    is named; a hang raises TimeoutError after `timeout` seconds. No process
-    or port outlives the call. `threads` is each worker's PyTorch thread
+    is named; a hang raises TimeoutError after `timeout` seconds. No worker
+    or port outlives the call (on Linux their fork server lives on, unused). `threads` is each worker's PyTorch thread
     count (default: the cores shared out). `op_timeout` (seconds) bounds every
     single send, receive or collective inside the workers (torch's default
     is 30 minutes); `names` labels the ranks in error messages, e.g. 'worker 1'.
@@ -82,10 +82,22 @@ def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_
         return _run_group(group, timeout, names)
 
 
+# Nothing here may ask CUDA anything (machine.py does): a child forked after that cannot use CUDA.
+FORK_SERVER_PRELOAD = ('torch', 'torch.distributed')
+
+
+def _context():
+    """Linux: workers forked from a server that imported torch once (spawned, each imports it: ~2 s)."""
+    if not sys.platform.startswith('linux'):
+        return mp.get_context('spawn')
+    mp.get_context('forkserver').set_forkserver_preload(list(FORK_SERVER_PRELOAD))
+    return mp.get_context('forkserver')
+
+
 def _run_group(group, timeout, names):
     """Start the group's processes with a store of their own, collect their results, leave no process."""
     fn, world_size, args, backend, threads, op_timeout = group
-    ctx = mp.get_context('spawn')
+    ctx = _context()
     results = ctx.Queue()
     # The store lives here, on a port the OS picks, so parallel notebooks never collide.
     store = dist.TCPStore('127.0.0.1', 0, world_size + 1, is_master=True, wait_for_workers=False)
@@ -94,7 +106,7 @@ def _run_group(group, timeout, names):
         for rank in range(world_size):
             p = ctx.Process(target=_worker_main, daemon=True,
                             args=(rank, world_size, store.port, backend, threads, fn, args,
-                                  results, os.getpid(), op_timeout))
+                                  results, os.getpid(), op_timeout, dict(os.environ)))
             p.start()
             procs.append(p)
         return _collect(procs, results, timeout, names)
@@ -312,19 +324,23 @@ class _RemoteTraceback(Exception):
 
 
 def _watch_parent(parent_pid):
-    # Exit if the launching process disappears (kernel killed): no orphans.
+    # Exit if the launching process disappears (kernel killed): no orphans. A forked worker's
+    # parent is the fork server, which ends with the launcher: either parent changing means it went.
+    parent = os.getppid()
+
     def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(3)
+        while os.getppid() == parent and psutil.pid_exists(parent_pid):
             time.sleep(0.5)
+        os._exit(3)
     threading.Thread(target=watch, daemon=True).start()
 
 
 def _worker_main(rank, world_size, port, backend, threads, fn, args, results, parent_pid,
-                 op_timeout=None):
+                 op_timeout, environ):
     """Entry point of a worker process started by launch()."""
     _watch_parent(parent_pid)
+    os.environ.clear()   # a forked worker holds its fork server's environment: take the launcher's
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR='127.0.0.1',
                       MASTER_PORT=str(port))

@@ -12,11 +12,15 @@ def alive(pid):
 
 
 def children():
-    """This process's descendants, except multiprocessing's resource tracker (it lives on by design)."""
+    """This process's descendants, except multiprocessing's resource tracker and fork server.
+
+    Both live on by design: the fork server that launch() forks its workers from is started
+    once and ends with this process."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if 'resource_tracker' not in ' '.join(child.cmdline()):
+            line = ' '.join(child.cmdline())
+            if 'resource_tracker' not in line and 'multiprocessing.forkserver' not in line:
                 found.append(child)
         except psutil.NoSuchProcess:
             pass

@@ -12,6 +12,7 @@ import workers
 from process_checks import alive, children, wait_until
 
 import common
+from comp_perf import processes
 
 TESTS = Path(__file__).resolve().parent
 
@@ -21,6 +22,45 @@ def test_launch_runs_real_process_group():
     assert common.launch(workers.rank_and_world, 2, backend='gloo') == [
         (0, 2, 0, 2, '0'), (1, 2, 1, 2, '1')]
     assert common.launch(common.allreduce_check, 3) == [6.0, 6.0, 6.0]
+
+
+@pytest.mark.procs
+def test_workers_see_the_launchers_environment_as_it_is_now(monkeypatch):
+    # On Linux workers are forked from a server started at the first launch, which holds the
+    # environment of that moment; a variable set since (a notebook's COURSE_LANG) must reach them.
+    common.launch(workers.rank_and_world, 2)
+    monkeypatch.setenv('COURSE_PROBE', 'set after the first launch')
+    assert common.launch(workers.environment_variable, 2, 'COURSE_PROBE') == ['set after the first launch'] * 2
+
+
+# Counts, in a fresh interpreter, the calls that start CUDA's driver while `modules` are imported.
+ASKS_CUDA = """
+import sys, torch
+asked = []
+count, init = torch._C._cuda_getDeviceCount, torch.cuda._lazy_init
+torch._C._cuda_getDeviceCount = lambda: asked.append('device count') or count()
+torch.cuda._lazy_init = lambda: asked.append('lazy init') or init()
+for name in sys.argv[1:]:
+    __import__(name)
+print(asked)
+"""
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize('modules, asks', [(processes.FORK_SERVER_PRELOAD, False), (('common',), True)])
+def test_the_fork_server_imports_nothing_that_asks_cuda(modules, asks):
+    # A worker forked from a process whose CUDA driver has started cannot use CUDA (an NCCL
+    # worker on a GPU machine would fail). The second case shows the check can fail: the
+    # course's own import asks torch.cuda.is_available(), so it stays out of the preload.
+    out = subprocess.run([sys.executable, '-c', ASKS_CUDA, *modules], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert (out.strip() != '[]') is asks, out
+
+
+def test_workers_are_forked_from_a_server_on_linux_and_spawned_elsewhere(monkeypatch):
+    assert processes._context().get_start_method() == ('forkserver' if sys.platform.startswith('linux') else 'spawn')
+    monkeypatch.setattr(sys, 'platform', 'darwin')
+    assert processes._context().get_start_method() == 'spawn'
 
 
 @pytest.mark.parametrize('gpus', [1, 2, 8])
@@ -94,7 +134,6 @@ def test_a_worker_that_leaves_at_once_still_delivers_a_large_result():
 def test_a_worker_flushes_its_result_before_it_exits_without_the_teardown(monkeypatch):
     # gloo's teardown at exit sometimes aborts a finished worker (exit -6): workers end with os._exit,
     # and os._exit drops what the queue's feeder thread has not written yet, so the queue is joined first
-    from comp_perf import processes
     calls = []
     queue = type('Queue', (), {'close': lambda self: calls.append('close'),
                                'join_thread': lambda self: calls.append('flushed')})()
@@ -104,7 +143,6 @@ def test_a_worker_flushes_its_result_before_it_exits_without_the_teardown(monkey
 
 
 def test_leave_process_group_destroys_the_group_then_exits_at_once(monkeypatch):
-    from comp_perf import processes
     calls = []
     monkeypatch.setattr(processes.dist, 'destroy_process_group', lambda: calls.append('destroy'))
     monkeypatch.setattr(processes.os, '_exit', lambda code: calls.append(('exit', code)))
@@ -210,7 +248,6 @@ def test_launch_gives_each_process_its_share_of_the_usable_cores():
 
 def _fake_group_failing(times, monkeypatch):
     """Make processes._run_group raise ConnectionFailed `times` times, then return 'result'; count the calls."""
-    from comp_perf import processes
     calls = []
 
     def run_group(group, timeout, names):
@@ -269,7 +306,6 @@ def test_only_a_connection_failure_while_joining_counts_as_one():
 
 
 def test_torchrun_tries_once_more_with_a_fresh_rendezvous_when_its_processes_never_met(monkeypatch, capsys):
-    from comp_perf import processes
     seen = []
 
     def run_launchers(script, commands, visible, timeout):

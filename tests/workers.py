@@ -10,6 +10,10 @@ def rank_and_world(rank, world_size):
     return rank, world_size, dist.get_rank(), dist.get_world_size(), os.environ['RANK']
 
 
+def environment_variable(rank, world_size, name):
+    return os.environ.get(name)
+
+
 def fail_on_rank_one(rank, world_size):
     if rank == 1:
         raise ZeroDivisionError('worker one divides by zero on purpose')
