@@ -15,6 +15,11 @@ from comp_perf.processes import launch, run_keys
 from comp_perf.s08_beyond_data_parallel import mlp, teacher_batches
 from comp_perf.s08_memory import local_bytes
 
+# Seconds a worker's collective may wait for its peer before the check calls it a hang (a rank
+# that skipped a collective). A whole passing check takes 2-4 s here, so 10 s leaves a loaded
+# machine room and a student's hang still ends quickly.
+HANG_SECONDS = 10
+
 
 class Zero1(torch.optim.Optimizer):
     """ZeRO stage 1 over the default process group: each rank updates 1/N of the parameters.
@@ -234,7 +239,7 @@ def check_zero1(source, procs=2, tol=1e-5, steps=3):
     run = dict(source=str(source), widths=[16, 33, 8], batch_size=16 * procs, steps=steps, lr=1e-2,
                optimizers=('Adam', 'SGD'))
     try:
-        results = launch(zero1_check_worker, procs, run, threads=1, timeout=60, op_timeout=10)
+        results = launch(zero1_check_worker, procs, run, threads=1, timeout=60, op_timeout=HANG_SECONDS)
     except Exception as error:   # the student's code failed in a worker: say so, with the worker's traceback
         print(tr('fail: your Zero1 raised an error in a worker process:'), f'{type(error).__name__}: {error}',
               str(error.__cause__ or '').strip(), sep='\n')

@@ -8,15 +8,27 @@ import pytest
 from helpers import ROOT, find_browser, wait_for
 
 
+@pytest.fixture(scope='module')
+def exported(tmp_path_factory):
+    """export(lang, name) runs the README's export command once per notebook in this module; its folder."""
+    folders = {}
+
+    def export(lang, name):
+        if (lang, name) not in folders:
+            out = tmp_path_factory.mktemp('export')
+            start = time.monotonic()
+            run = subprocess.run([str(ROOT / 'course'), 'export', lang, '--only', name, '--out', str(out)],
+                                 capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stdout + run.stderr
+            print(f'\nexport of {lang}/{name}: {time.monotonic() - start:.1f} s')
+            folders[lang, name] = out / lang
+        return folders[lang, name]
+    return export
+
+
 @pytest.mark.parametrize('lang,name', [('en', '00-start-here'), ('zh', '07-parameter-servers')])
-def test_course_export_writes_slides_and_pages(tmp_path, lang, name):
-    start = time.monotonic()
-    run = subprocess.run([str(ROOT / 'course'), 'export', lang, '--only', name, '--out', str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
-    seconds = time.monotonic() - start
-    assert run.returncode == 0, run.stdout + run.stderr
-    print(f'\nexport of {lang}/{name}: {seconds:.1f} s')
-    folder = tmp_path / lang
+def test_course_export_writes_slides_and_pages(exported, lang, name):
+    folder = exported(lang, name)
     deck = (folder / 'slides' / f'{name}.slides.html').read_text(encoding='utf-8')
     page = (folder / 'html' / f'{name}.html').read_text(encoding='utf-8')
     assert f'slides/{name}.slides.html' in (folder / 'index.html').read_text(encoding='utf-8')
@@ -36,20 +48,18 @@ def test_export_refuses_an_unknown_notebook(tmp_path):
     assert run.returncode != 0 and 'no notebook named' in run.stderr
 
 
-def test_exported_deck_and_page_work_offline(tmp_path):
+def test_exported_deck_and_page_work_offline(exported):
     """A lecture hall without network: reveal.js starts, math renders, nothing is fetched from the web.
 
     Chromium resolves no host name and has no route but loopback, so any script or style sheet
     still pointing at a CDN fails to load. A screenshot of a slide with formulas is kept in
-    artifacts/export/.
+    artifacts/export/. The export is the one the test above checked (zh/07: formulas and Chinese).
     """
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     chromium, driver = find_browser()
-    name = '07-parameter-servers'
-    run = subprocess.run([str(ROOT / 'course'), 'export', 'en', '--only', name, '--out', str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
+    lang, name = 'zh', '07-parameter-servers'
+    folder = exported(lang, name)
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for arg in ('--headless=new', '--no-sandbox', '--disable-dev-shm-usage', '--window-size=1280,800',
@@ -63,8 +73,8 @@ def test_exported_deck_and_page_work_offline(tmp_path):
             'offline': True, 'latency': 0, 'downloadThroughput': 0, 'uploadThroughput': 0})
         shots = ROOT / 'artifacts' / 'export'
         shots.mkdir(parents=True, exist_ok=True)
-        for kind, path in (('deck', tmp_path / 'en' / 'slides' / f'{name}.slides.html'),
-                           ('page', tmp_path / 'en' / 'html' / f'{name}.html')):
+        for kind, path in (('deck', folder / 'slides' / f'{name}.slides.html'),
+                           ('page', folder / 'html' / f'{name}.html')):
             browser.get(path.as_uri())
             if kind == 'deck':
                 wait_for(browser, "return document.querySelector('.reveal.ready') !== null", 60,
@@ -79,7 +89,7 @@ def test_exported_deck_and_page_work_offline(tmp_path):
                     " : [[...up.parentElement.children].indexOf(up), [...up.children].indexOf(s)];"
                     "location.hash = '#/' + h + '/' + v;")
                 time.sleep(1)
-            browser.save_screenshot(str(shots / f'en-{name}-{kind}-offline.png'))
+            browser.save_screenshot(str(shots / f'{lang}-{name}-{kind}-offline.png'))
             fetched = browser.execute_script(
                 "return performance.getEntriesByType('resource').map(e => e.name)")
             assert all(url.startswith('file:') for url in fetched), \

@@ -196,8 +196,10 @@ def test_the_zero1_check_says_not_built_yet_on_the_notebooks_skeleton(tmp_path, 
         'Traceback' not in out
 
 
-def test_the_zero1_check_reports_a_worker_error_without_hanging(tmp_path, capsys):
-    # a rank that skips the all-gather leaves the other one waiting: op_timeout ends it
+def test_the_zero1_check_reports_a_worker_error_without_hanging(tmp_path, capsys, monkeypatch):
+    # a rank that skips the all-gather leaves the other one waiting: op_timeout ends it (lowered
+    # here, where the only wait is the planted hang)
+    monkeypatch.setattr(s08_zero_by_hand, 'HANG_SECONDS', 3)
     bug = planted(tmp_path, 'one_rank', 'dist.all_gather_single(whole, shard.detach())',
                   'dist.all_gather_single(whole, shard.detach()) if self.rank == 0 else None')
     passed, out = check(bug, 2, capsys)
