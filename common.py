@@ -79,8 +79,10 @@ from comp_perf.s08_combining import draw_mesh_2d, mesh_2d_training, plan_estimat
 
 # 09 Make one training step fast — profiler readings, interleaved timing, peaks, the build
 from comp_perf.measure import interleaved, paired_ratio, noise_verdict
+from comp_perf.language import name_list
 from comp_perf.s09_training_step import (PHASES, wait_for_device, trace_spans, phase_shares, top_operator,
                                          self_time_share, calls_per_step, input_types, step_peak_bytes,
+                                         debug_mode_cost, self_time_per_call,
                                          matmul_peak, datasheet_peak, print_rows, plot_payoff)
 from comp_perf.s09_faster_step import slow_step, check_faster_step, fast_step
 

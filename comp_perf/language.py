@@ -74,6 +74,12 @@ def tr(english, **fields):
     return out.format(**fields) if fields else out
 
 
+def name_list(names):
+    """Names (operators, APIs, files) listed as each language lists them: 'a, b' in English, 'a、b' in Chinese,
+    where a comma joins phrases and the enumeration comma joins names."""
+    return ('、' if course_language() == 'zh' else ', ').join(str(name) for name in names)
+
+
 def display_width(text):
     """Columns `text` takes in a fixed-width font: a Chinese character takes two."""
     return sum(2 if unicodedata.east_asian_width(c) in 'WF' else 1 for c in str(text))

@@ -10,10 +10,15 @@ to the cell before the `##` heading that follows its last one. Its minutes are
 course_load's estimate over those cells of the stored English notebook, which counts
 their stored run time.
 
-The rule each lecture must meet: its material fits in MATERIAL_MINUTES, which leaves
-QUIZ_MINUTES for the five-question quiz and DISCUSSION_MINUTES for questions and
-discussion out of LECTURE_MINUTES. plan_problems() returns what breaks the plan
-(tests/test_lecture_plan.py runs it, and plants a bug for each check).
+These minutes are a student's: reading and running the cells at the reader's pace. A
+lecture presents material more slowly than a student reads it, so the rule each lecture
+must meet is stated in presenting time: the parts presented live, at PRESENTING times their
+reading minutes, fit in MATERIAL_MINUTES, which leaves QUIZ_MINUTES for the five-question
+quiz and DISCUSSION_MINUTES for questions and discussion out of LECTURE_MINUTES. PRESENTING
+is a planning assumption, not a measurement: an instructor who presents faster or slower
+changes it. What does not fit is read before class (a lecture's `before_class` parts, at
+most BEFORE_CLASS_MINUTES of reading) and discussed in it. plan_problems() returns what
+breaks the plan (tests/test_lecture_plan.py runs it, and plants a bug for each check).
 """
 import re
 from collections import namedtuple
@@ -27,10 +32,13 @@ LECTURE_MINUTES = 90
 QUIZ_MINUTES = 10
 DISCUSSION_MINUTES = 5
 MATERIAL_MINUTES = LECTURE_MINUTES - QUIZ_MINUTES - DISCUSSION_MINUTES   # 75
+PRESENTING = 1.25   # presenting a part takes a quarter longer than reading it: 60 min of reading per lecture
+BEFORE_CLASS_MINUTES = 30   # reading assigned before a lecture, beside (not inside) its homework
 
 Part = namedtuple('Part', 'stem first last')
-# homework: ((section, exercise number or BUILD), ...); merges: the lectures of the ten a cut lecture joins
-Lecture = namedtuple('Lecture', 'number parts homework merges', defaults=((),))
+# homework: ((section, exercise number or BUILD), ...); merges: the lectures of the ten a cut lecture joins;
+# before_class: parts the students read before the lecture, which it discusses but does not present
+Lecture = namedtuple('Lecture', 'number parts homework merges before_class', defaults=((), ()))
 
 _CLOSING = {'Summary', 'Exercises', '小结', '练习'}
 BUILD = 'build'   # a section's "Build it" part, the piece its check grades, as homework
@@ -60,11 +68,13 @@ LECTURES = [
     Lecture(8, [Part('08-beyond-data-parallelism', 'Memory is the constraint',
                      'Pipeline parallelism: splitting the layers into stages')],
             homework=(('08', 1), ('08', 2), ('08', 5))),
-    Lecture(9, [Part('08-beyond-data-parallelism', 'Choosing', 'Summary'),
-                Part('09-one-training-step', 'The model and its cost', 'Summary')],
-            homework=(('09', BUILD), ('09', 1), ('09', 3))),
-    Lecture(10, [Part('10-attention-and-generation', 'A language model you can count', 'Summary')],
-            homework=(('10', BUILD), ('10', 1), ('10', 2))),
+    Lecture(9, [Part('09-one-training-step', 'The model and its cost', 'Summary')],
+            homework=(('09', BUILD), ('09', 1), ('09', 3)),
+            before_class=[Part('08-beyond-data-parallelism', 'Choosing', 'Summary')]),
+    Lecture(10, [Part('10-attention-and-generation', 'Attention against sequence length', 'Summary')],
+            homework=(('10', BUILD), ('10', 1), ('10', 2)),
+            before_class=[Part('10-attention-and-generation', 'A language model you can count',
+                               'A language model you can count')]),
 ]
 
 # The six-lecture cut: lectures 1–9 of the ten merged, these sections dropped (shown from the
@@ -95,32 +105,34 @@ CUT_DROPS = [
 SIX_LECTURES = [
     Lecture(1, LECTURES[0].parts, LECTURES[0].homework, merges=(1,)),
     Lecture(2, [Part('02-asynchronous-computation', 'Asynchrony through the back end', 'Barriers and blockers'),
-                Part('02-asynchronous-computation', 'Summary', 'Summary'),
-                Part('03-automatic-parallelism', 'Overlapping computation and communication',
-                     'On the CPU: the nearest equivalents')],
-            homework=(('02', 2), ('02', 3), ('03', 1)), merges=(2, 3)),
+                Part('02-asynchronous-computation', 'Summary', 'Summary')],
+            homework=(('02', 2), ('02', 3), ('03', 1)), merges=(2, 3),
+            before_class=[Part('03-automatic-parallelism', 'Overlapping computation and communication',
+                               'On the CPU: the nearest equivalents')]),
     Lecture(3, [Part('04-hardware', 'The computer', 'Memory'),
                 Part('04-hardware', 'Caches, and how to find them', 'Caches, and how to find them'),
                 Part('04-hardware', 'CPUs', 'GPUs and other accelerators'),
                 Part('04-hardware', 'The latency ladder', 'Summary')],
             homework=(('04', 2), ('04', 4), ('04', 7)), merges=(3, 4)),
-    Lecture(4, [Part('05-multi-gpu-from-scratch', 'Splitting the problem',
-                     'Real parallelism on a CPU: one process per replica'),
+    Lecture(4, [Part('05-multi-gpu-from-scratch', 'Training', 'Real parallelism on a CPU: one process per replica'),
                 Part('05-multi-gpu-from-scratch', 'Summary', 'Summary'),
                 Part('06-multi-gpu-concise', 'A ResNet-18 for 28×28 images', 'A ResNet-18 for 28×28 images'),
                 Part('06-multi-gpu-concise', '`DistributedDataParallel` under `torchrun`', 'Summary')],
-            homework=(('05', 4), ('06', BUILD), ('06', 6)), merges=(5, 6)),
-    Lecture(5, [Part('07-parameter-servers', 'Where should the gradients be added up?',
-                     'A ring all-reduce for real'),
+            homework=(('05', 4), ('06', BUILD), ('06', 6)), merges=(5, 6),
+            before_class=[Part('05-multi-gpu-from-scratch', 'Splitting the problem', 'Data parallelism')]),
+    Lecture(5, [Part('07-parameter-servers', 'A ring all-reduce for real', 'A ring all-reduce for real'),
                 Part('07-parameter-servers', 'Summary', 'Summary'),
                 Part('08-beyond-data-parallelism', 'Memory is the constraint',
                      'Tensor parallelism: splitting one layer')],
-            homework=(('07', 4), ('08', 1), ('08', 5)), merges=(7, 8)),
-    Lecture(6, [Part('08-beyond-data-parallelism', 'Pipeline parallelism: splitting the layers into stages',
-                     'Summary'),
+            homework=(('07', 4), ('08', 1), ('08', 5)), merges=(7, 8),
+            before_class=[Part('07-parameter-servers', 'Where should the gradients be added up?',
+                               'Ring synchronisation')]),
+    Lecture(6, [Part('08-beyond-data-parallelism', 'Choosing', 'Summary'),
                 Part('09-one-training-step', 'The model and its cost', 'The payoff, measured fairly'),
                 Part('09-one-training-step', 'Build it: a faster step of your own', 'Summary')],
-            homework=(('08', 3), ('09', BUILD), ('09', 1)), merges=(8, 9)),
+            homework=(('08', 3), ('09', BUILD), ('09', 1)), merges=(8, 9),
+            before_class=[Part('08-beyond-data-parallelism', 'Pipeline parallelism: splitting the layers into stages',
+                               'Pipeline parallelism: splitting the layers into stages')]),
 ]
 
 
@@ -165,15 +177,16 @@ def resolve(cells, part):
     return start, end
 
 
-def lecture_load(notebooks, lecture):
-    """course_load.load() over a lecture's cells, with 'ranges': [(stem, first cell, last cell)]."""
+def lecture_load(notebooks, lecture, before_class=False):
+    """course_load.load() over the cells a lecture presents (before_class=True: those read before it), with
+    'ranges': [(stem, first cell, last cell)] and 'presenting', its minutes at PRESENTING times the reading's."""
     cells, ranges = [], []
-    for part in lecture.parts:
+    for part in (lecture.before_class if before_class else lecture.parts):
         start, end = resolve(notebooks[part.stem], part)
         ranges.append((part.stem, start, end))
         cells += notebooks[part.stem][start:end + 1]
     result = course_load.load(cells)
-    result['ranges'] = ranges
+    result['ranges'], result['presenting'] = ranges, result['minutes'] * PRESENTING
     return result
 
 
@@ -221,14 +234,15 @@ def plan_problems(english, chinese, lectures, drops=()):
     """What breaks a plan, as sentences (empty when it holds).
 
     Every taught section of every notebook in exactly one lecture (or, for a cut, listed in
-    `drops`); every heading a part names present in both languages at the same cell; every
-    lecture's estimate within MATERIAL_MINUTES; every homework exercise present in both, and each
-    lecture's homework within HOMEWORK_MINUTES.
+    `drops`; a part read before class counts as its lecture's); every heading a part names present
+    in both languages at the same cell; every lecture's presenting time within MATERIAL_MINUTES and
+    its reading before class within BEFORE_CLASS_MINUTES; every homework exercise present in both,
+    and each lecture's homework within HOMEWORK_MINUTES.
     """
     problems, seen = [], {}
     by_section = {stem[:2]: stem for stem in english}
     for lecture in lectures:
-        for part in lecture.parts:
+        for part in (*lecture.parts, *lecture.before_class):
             if part.stem not in english or part.stem not in chinese:
                 problems.append(f'lecture {lecture.number}: no stored notebook {part.stem}')
                 continue
@@ -246,15 +260,19 @@ def plan_problems(english, chinese, lectures, drops=()):
             for i, name in taught_sections(english[part.stem]):
                 if start <= i <= end:
                     seen.setdefault((part.stem, name), []).append(lecture.number)
-        if all(part.stem in english for part in lecture.parts):
+        if all(part.stem in english for part in (*lecture.parts, *lecture.before_class)):
             try:
-                minutes = lecture_load(english, lecture)['minutes']
+                presenting = lecture_load(english, lecture)['presenting']
+                reading = lecture_load(english, lecture, before_class=True)['minutes']
             except KeyError:
-                minutes = 0
-            if minutes > MATERIAL_MINUTES:
-                problems.append(f'lecture {lecture.number}: about {minutes:.0f} min of material, more than the '
+                presenting = reading = 0
+            if presenting > MATERIAL_MINUTES:
+                problems.append(f'lecture {lecture.number}: about {presenting:.0f} min to present, more than the '
                                 f'{MATERIAL_MINUTES} min a {LECTURE_MINUTES}-minute lecture leaves beside its '
                                 f'quiz ({QUIZ_MINUTES} min) and discussion ({DISCUSSION_MINUTES} min)')
+            if reading > BEFORE_CLASS_MINUTES:
+                problems.append(f'lecture {lecture.number}: about {reading:.0f} min of reading before class, more '
+                                f'than {BEFORE_CLASS_MINUTES} min')
         low, high = HOMEWORK_MINUTES
         homework = homework_minutes(english, lecture)
         if not low <= homework <= high:

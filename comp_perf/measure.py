@@ -189,7 +189,8 @@ def verdict(what, value, cases, unit='×', digits=2, shown=None):
     else:
         raise ValueError(f'{value!r} is not below any case bound {bounds}: add a last case '
                          'with math.inf.')
-    number = shown if shown is not None else f'{value:.{digits}f}{unit}'
+    # round(...) or 0.0: a value that rounds to zero prints as 0.00, never as -0.00
+    number = shown if shown is not None else f'{round(value, digits) or 0.0:.{digits}f}{unit}'
     print(tr('Verdict: {what}: {number} → {case}', what=tr(what), number=number, case=tr(case_text)))
     return Case(key)
 

@@ -12,6 +12,7 @@ import html
 import importlib
 import inspect
 import os
+import re
 import sys
 
 import torch
@@ -356,6 +357,15 @@ def _part_lines(parts):
     ]
 
 
+def _not_built_line(why):
+    """The line for a gap still raising NotImplementedError('gap N: name'), in the form 08-10 print."""
+    gap = re.fullmatch(r'gap (\d+): (\S+)', why)
+    if not gap:
+        return tr('not built yet: {why}', why=why)
+    return tr('not built yet: gap {n} ({name}) still raises NotImplementedError; fill it in and run the check again',
+              n=gap.group(1), name=gap.group(2))
+
+
 def check_bucketed_allreduce(module='my_buckets', folder=None, run=None, procs=2):
     """Check `module`.BucketedAllReduce in `procs` gloo processes against DDP; print pass or fail.
 
@@ -374,7 +384,7 @@ def check_bucketed_allreduce(module='my_buckets', folder=None, run=None, procs=2
              '{steps} steps and one of two micro-batches, buckets of {mb} MiB', module=module, procs=procs,
              w=run['width'], steps=run['steps'], mb=run['bucket_mb']))
     if 'not built' in result:
-        print(tr('not built yet: {why}; fill in the gaps marked GAP and run the check again', why=result['not built']))
+        print(_not_built_line(result['not built']))
         return Case('not built')
     parts = bucketed_parts(result)
     for line in _part_lines(parts):

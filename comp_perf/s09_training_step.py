@@ -3,13 +3,14 @@ calls per step, the phases and the memory of an exported trace), a matrix-multip
 dtype, and the payoff chart.
 """
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from comp_perf.language import pad, tr
 from comp_perf.machine import usable_cores
-from comp_perf.measure import measure, synchronize
+from comp_perf.measure import measure, synchronize, verdict
 from comp_perf.s04_hardware import cpu_facts, gpu_datasheet
 
 PHASES = ('data', 'forward', 'backward', 'optimizer step')
@@ -41,6 +42,49 @@ def top_operator(prof, key=SELF_CPU):
     """(name, share of the self time) of the operator that took the most self time (`key`)."""
     top = operator_rows(prof, key)[0]
     return top.key, self_time_share(prof, top.key, key)
+
+
+def self_time_per_call(prof, name, key=SELF_CPU):
+    """Mean self time, in µs, of one call of the operator `name`; None where it never ran."""
+    rows = [row for row in prof.key_averages() if row.key == name]
+    calls = sum(row.count for row in rows)
+    return sum(getattr(row, key) for row in rows) / calls if calls else None
+
+
+# measured gain ÷ the gain the checks' own rows promise (1 / (1 - their share))
+OWN_ROWS_ONLY = [
+    (1.3, 'rows', 'the gain is what the checks\' own rows took: the share rule reads them right'),
+    (math.inf, 'everything', 'the gain is larger than the checks\' own rows: the mode slowed every operator '
+                             '(see the per-call time), and the profiler booked that time to each of them'),
+]
+
+
+def debug_mode_cost(before, after, checks, seconds, trivial='aten::view'):
+    """What switching a debugging mode off bought, against what the profile with it (before) promised.
+
+    The share rule says removing work of share s shortens the step 1 / (1 - s) times. A mode
+    that slows every operator (anomaly detection records a Python stack for each) hides most
+    of its cost inside the other operators' self time; a call that only relabels a tensor
+    (`trivial`, aten::view) shows it, since it takes about a microsecond when nothing rides on
+    it. seconds: {'on': [...], 'off': [...]}, the step timed in turns with the mode and without
+    (common.interleaved), not under the profiler, which inflates the mode's cost further.
+    Returns the verdict's case.
+    """
+    share = self_time_share(before, checks)
+    promised = 1 / max(1 - share, 1e-12)
+    measured = _median(seconds['on']) / _median(seconds['off'])
+    print(tr('the checks\' own rows: {s:.0%} of the operators\' time, so removing only them would shorten the step '
+             '{p:.2f}×', s=share, p=promised))
+    print(tr('the step timed in turns, with the mode ÷ without: {m:.2f}×', m=measured))
+    per_call = [self_time_per_call(prof, trivial) for prof in (before, after)]
+    if None not in per_call:
+        print(tr('{op}, which moves no data, per call under the profiler: {a:.1f} µs with the mode, {b:.1f} µs '
+                 'without', op=trivial, a=per_call[0], b=per_call[1]))
+    return verdict('measured gain ÷ the gain of the checks\' own rows', measured / promised, OWN_ROWS_ONLY)
+
+
+def _median(values):
+    return sorted(values)[len(values) // 2]
 
 
 def input_types(prof, name):

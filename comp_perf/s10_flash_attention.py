@@ -18,10 +18,10 @@ from comp_perf.language import tr
 
 # ----- the reference: FlashAttention-2's forward pass (Dao 2023, Algorithm 1) -----
 
-def visible_keys(i, rows, t, causal):
+def visible_keys(i, rows, t_k, causal):
     """How many keys, from key 0 on, query rows i .. i+rows-1 can see: with the causal mask a key block
     wholly after the block's last query is never read at all."""
-    return min(t, i + rows) if causal else t
+    return min(t_k, i + rows) if causal else t_k
 
 
 def tile_scores(q_tile, k_tile, i, j, causal):
@@ -49,23 +49,45 @@ def finish_rows(m, row_sum, acc):
     return acc / row_sum, (m + torch.log(row_sum)).squeeze(-1)
 
 
-def flash_attention(q, k, v, causal=False, block_q=32, block_k=32):
-    """softmax(q kᵀ / √d) v in tiles, and the row logsumexp: (out, lse), out in q's dtype, lse float32 (..., t).
+def check_attention_inputs(q, k, v):
+    """(t_q, t_k), or a clear error: floating-point q, k, v of matching shapes, at least one key.
 
-    q, k, v: (..., t, d), any leading batch and head dimensions. Each query block (outer loop,
-    as FlashAttention-2 does) reads the key/value blocks it can see once, keeping per row a
-    running max, normaliser and output in float32: no t × t tensor is ever built.
+    Without it an integer q comes back as integers, and a k shorter than q fails deep inside
+    with an IndexError about amax; the tiles broadcast nothing, so the batch and head
+    dimensions must be equal.
     """
-    t, d = q.shape[-2:]
-    out = torch.empty_like(q)
+    if not all(x.is_floating_point() for x in (q, k, v)):
+        raise TypeError(tr('attention needs floating-point q, k and v; got {dtypes}',
+                           dtypes=', '.join(str(x.dtype) for x in (q, k, v))))
+    shapes = ' '.join(f'{name}={tuple(x.shape)}' for name, x in zip('qkv', (q, k, v)))
+    if not (q.dim() >= 2 and q.dim() == k.dim() == v.dim() and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        raise ValueError(tr('q, k and v need the same leading (batch, head) dimensions: {shapes}', shapes=shapes))
+    if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2] or k.shape[-2] == 0:
+        raise ValueError(tr('k needs the head size of q, and v as many rows as k (at least one): {shapes}',
+                            shapes=shapes))
+    return q.shape[-2], k.shape[-2]
+
+
+def flash_attention(q, k, v, causal=False, block_q=32, block_k=32):
+    """softmax(q kᵀ / √d) v in tiles, and the row logsumexp: (out, lse), out in q's dtype, lse float32 (..., t_q).
+
+    q: (..., t_q, d), k: (..., t_k, d), v: (..., t_k, d_v), the same leading batch and head
+    dimensions, floating point; out is (..., t_q, d_v). The causal mask is aligned as
+    F.scaled_dot_product_attention's is_causal aligns it, at the top left: query i sees keys
+    0 .. i, whatever t_k is. Each query block (outer loop, as FlashAttention-2 does) reads the
+    key/value blocks it can see once, keeping per row a running max, normaliser and output in
+    float32: no t_q × t_k tensor is ever built.
+    """
+    t_q, t_k = check_attention_inputs(q, k, v)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    for i in range(0, t, block_q):
+    for i in range(0, t_q, block_q):
         q_tile = q[..., i:i + block_q, :].float()         # the last block may be shorter
         rows = q_tile.shape[-2]
         m = torch.full((*q.shape[:-2], rows, 1), -math.inf, device=q.device)
         row_sum = torch.zeros_like(m)
-        acc = torch.zeros(*q.shape[:-2], rows, d, device=q.device)
-        for j in range(0, visible_keys(i, rows, t, causal), block_k):
+        acc = torch.zeros(*q.shape[:-2], rows, v.shape[-1], device=q.device)
+        for j in range(0, visible_keys(i, rows, t_k, causal), block_k):
             s = tile_scores(q_tile, k[..., j:j + block_k, :].float(), i, j, causal)
             m, row_sum, acc = online_update(m, row_sum, acc, s, v[..., j:j + block_k, :].float())
         out[..., i:i + rows, :], lse[..., i:i + rows] = finish_rows(m, row_sum, acc)
@@ -78,14 +100,14 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, block_q=32, 
     Nothing of the forward's softmax is stored but lse: each tile's P is recomputed from q, k
     and lse. Key blocks are the outer loop, so dk and dv of a block are summed in one place.
     """
-    t, d = q.shape[-2:]
-    scale = 1 / math.sqrt(d)
+    t_q, t_k = check_attention_inputs(q, k, v)
+    scale = 1 / math.sqrt(q.shape[-1])
     dq, dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v))
     big_d = (dout.float() * out.float()).sum(-1, keepdim=True)   # D = rowsum(dO ∘ O) = rowsum(dP ∘ P)
-    for j in range(0, t, block_k):
+    for j in range(0, t_k, block_k):
         k_tile, v_tile = k[..., j:j + block_k, :].float(), v[..., j:j + block_k, :].float()
         first = (j // block_q) * block_q if causal else 0   # earlier query blocks cannot see these keys
-        for i in range(first, t, block_q):
+        for i in range(first, t_q, block_q):
             q_tile, do_tile = q[..., i:i + block_q, :].float(), dout[..., i:i + block_q, :].float()
             p = torch.exp(tile_scores(q_tile, k_tile, i, j, causal) - lse[..., i:i + block_q, None])
             dv[..., j:j + block_k, :] += p.transpose(-2, -1) @ do_tile
@@ -171,6 +193,7 @@ TOL = 1e-4         # largest error relative to the reference's largest |value| (
 TOL_LARGE = 1e-3   # part (d): scores near ±2000 carry fp32 rounding of ~1e-4 into exp
 LARGE = 20.0       # part (d): q and k scaled by this, so scores reach about ±2000 (exp overflows above 88)
 MEMORY = dict(batch=4, t=1024, d=32, block=64)   # part (f): the t × t scores are 16 MiB in fp32
+DV = 24            # part (g): a value head size unlike the query/key head size 16
 
 
 class _Stop(Exception):
@@ -178,18 +201,21 @@ class _Stop(Exception):
 
 
 def plain_attention(q, k, v, causal=False):
-    """(out, lse) of softmax(q kᵀ / √d) v with the t × t scores materialised: the float64 reference."""
+    """(out, lse) of softmax(q kᵀ / √d) v with the t_q × t_k scores materialised: the float64 reference.
+    The causal mask is SDPA's: torch.ones(t_q, t_k).tril() keeps key j for query i where j <= i."""
+    check_attention_inputs(q, k, v)
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if causal:
-        t = s.shape[-1]
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def _inputs(t, seed, scale=1.0, batch=(2, 3), d=16):
+def _inputs(t, seed, scale=1.0, batch=(2, 3), d=16, t_k=None, d_v=None):
+    """fp32 q (t rows), k and v (t_k rows, t unless given; v of head size d_v, d unless given)."""
+    t_k, d_v = t if t_k is None else t_k, d if d_v is None else d_v
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return [torch.randn(*batch, t, d) * (scale if name != 'v' else 1) for name in 'qkv']
+        return [torch.randn(*batch, t, d) * scale, torch.randn(*batch, t_k, d) * scale, torch.randn(*batch, t_k, d_v)]
 
 
 def _load(source, name):
@@ -249,9 +275,9 @@ def _report(letter, what, errors, tol):
     return ok
 
 
-def _forward_errors(flash, t, block_q, block_k, causal, seed, scale=1.0, lse_too=False):
-    """Errors of (out[, lse]) from flash against float64 plain attention, on fp32 inputs of length t."""
-    q, k, v = _inputs(t, seed, scale)
+def _forward_errors(flash, t, block_q, block_k, causal, seed, scale=1.0, lse_too=False, t_k=None, d_v=None):
+    """Errors of (out[, lse]) from flash against float64 plain attention, on fp32 inputs (_inputs)."""
+    q, k, v = _inputs(t, seed, scale, t_k=t_k, d_v=d_v)
     out, lse = _call(flash, 2, q, k, v, causal=causal, block_q=block_q, block_k=block_k)
     want_out, want_lse = plain_attention(q.double(), k.double(), v.double(), causal)
     return [_error(lse, want_lse)] if lse_too else [_error(out, want_out)]
@@ -282,6 +308,30 @@ def _forward_parts(flash, block):
                 [_forward_errors(flash, 2 * block + 13, block, block, causal, 5, scale, lse_too=True)[0]
                  for causal in (False, True) for scale in (1.0, LARGE)], TOL),
     ]
+
+
+def _lengths_part(flash, block):
+    """Part (g): unequal query and key lengths, and a value head size unlike d."""
+    what = tr('queries and keys of different lengths (t_q = {a}, t_k = {b} and the reverse, causal and not), '
+              'value head size {dv} ≠ d', a=block + 7, b=3 * block + 5, dv=DV)
+    return _report_or_fail('g', what, lambda: [
+        _forward_errors(flash, t_q, block, block, causal, 7, t_k=t_k, d_v=DV)[0]
+        for t_q, t_k in _unequal_lengths(block) for causal in (False, True)])
+
+
+def _report_or_fail(letter, what, errors):
+    """_report of errors(), or, where a version written for one length raises (an IndexError from amax
+    over zero keys, a shape mismatch), a FAIL line for this part that leaves the other parts standing."""
+    try:
+        return _report(letter, what, errors(), TOL)
+    except _Stop as stop:
+        print(tr('{verdict} ({letter}) {what} → {why}', verdict=_verdict(False), letter=letter, what=what, why=stop))
+        return False
+
+
+def _unequal_lengths(block):
+    """(t_q, t_k) pairs for part (g): fewer queries than keys, then more, neither a multiple of the block."""
+    return ((block + 7, 3 * block + 5), (3 * block + 5, block + 7))
 
 
 def _memory_part(flash):
@@ -316,13 +366,15 @@ def check_flash_attention(source='comp_perf.s10_flash_attention', block=32):
     block/2 either way), so a mask right only where tiles align fails; (c) t = 2 blocks + 13,
     causal and not; (d) q and k × 20: scores reach about ±2000, exp overflows unless the max is
     subtracted; (e) the returned logsumexp; (f) the extra memory while it runs, at batch 4,
-    t = 1024, d = 32, blocks of 64, under half of plain attention's (peak_allocated). Prints one
+    t = 1024, d = 32, blocks of 64, under half of plain attention's (peak_allocated); (g) fewer
+    and more queries than keys (block + 7 and 3 blocks + 5, causal with SDPA's top-left
+    alignment and not) with a value head size of 24. Prints one
     line per part and a Result; True when all pass. A gap still raising NotImplementedError, a
     missing file, an error or a wrong return prints one line saying so, not a traceback.
     """
     def parts():
         flash = _load(source, 'flash_attention')
-        return _forward_parts(flash, block) + [_memory_part(flash)]
+        return _forward_parts(flash, block) + [_memory_part(flash), _lengths_part(flash, block)]
     return _graded(parts, 'FlashAttention forward: pass', 'FlashAttention forward: fail')
 
 
@@ -340,10 +392,10 @@ def _graded(parts, passed, failed):
     return all(results)
 
 
-def _backward_errors(backward, t, block_q, block_k, causal, seed):
+def _backward_errors(backward, t, block_q, block_k, causal, seed, t_k=None, d_v=None):
     """Errors of (dq, dk, dv) from backward against autograd through float64 plain attention."""
-    q, k, v = _inputs(t, seed)
-    dout = _inputs(t, seed + 100)[0]
+    q, k, v = _inputs(t, seed, t_k=t_k, d_v=d_v)
+    dout = _inputs(t, seed + 100, d=v.shape[-1])[0]
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     out, lse = plain_attention(*leaves, causal)
     want = torch.autograd.grad(out, leaves, dout.double())
@@ -359,7 +411,8 @@ def check_flash_backward(source='comp_perf.s10_flash_attention', block=32):
     The same inputs and tolerance (TOL = 1e-4 of each gradient's largest |value|, the worst of
     dq, dk, dv) as check_flash_attention; out and lse are the reference's, in fp32. Parts: (a)
     no mask; (b) causal with unequal query and key blocks, both ways; (c) t = 2 blocks + 13,
-    causal and not. Prints one line per part and a Result; True when all pass.
+    causal and not; (d) queries and keys of different lengths, both ways, with a value head size
+    of 24. Prints one line per part and a Result; True when all pass.
     """
     half = max(1, block // 2)
 
@@ -376,5 +429,10 @@ def check_flash_backward(source='comp_perf.s10_flash_attention', block=32):
                             t=2 * block + 13, b=block),
                     [e for causal in (False, True)
                      for e in _backward_errors(backward, 2 * block + 13, block, block, causal, 13)], TOL),
+            _report_or_fail('d', tr('gradients, queries and keys of different lengths ({a} and {b}, both ways, causal '
+                                    'and not), value head size {dv}', a=block + 7, b=3 * block + 5, dv=DV),
+                            lambda: [e for t_q, t_k in _unequal_lengths(block) for causal in (False, True)
+                                     for e in _backward_errors(backward, t_q, block, block, causal, 14, t_k=t_k,
+                                                               d_v=DV)]),
         ]
     return _graded(parts, 'FlashAttention backward: pass', 'FlashAttention backward: fail')

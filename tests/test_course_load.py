@@ -84,3 +84,43 @@ def test_slider_check_sees_a_widget_without_figure():
     assert widget_cells_without_figure([cell]) == [0]
     cell.outputs.append(nbformat.v4.new_output('display_data', data={'image/png': 'iVBOR'}))
     assert widget_cells_without_figure([cell]) == []
+
+
+def printed_run_times(guide):
+    """{notebook stem: seconds} as the stored guide's timing cell printed them ('10-attention-… 48 s  about …')."""
+    cells = nbformat.read(guide, as_version=4).cells
+    text = '\n'.join(out.get('text', '') for cell in cells if cell.cell_type == 'code' for out in cell.outputs)
+    return {m[1]: int(m[2]) for m in re.finditer(r'^(\d\d-[\w-]+)\s+(\d+) (?:s|秒)\s', text, re.M)}
+
+
+def stale_timings(folder, guide):
+    """{stem: (printed seconds, stored seconds now)} where the guide's printed run time is not the stored one's."""
+    found = {}
+    for stem, seconds in printed_run_times(guide).items():
+        cells = nbformat.read(folder / f'{stem}.ipynb', as_version=4).cells
+        stored = round(sum(course_load.cell_seconds(c) for c in cells if c.cell_type == 'code'))
+        if stored != seconds:
+            found[stem] = (seconds, stored)
+    return found
+
+
+@pytest.mark.parametrize('lang', ['en', 'zh'])
+def test_the_guides_stored_timings_are_those_of_the_stored_notebooks(lang):
+    # the guide reads its run times from the notebooks beside it: re-execute it after any section it lists
+    folder = ROOT / 'notebooks' / lang
+    assert set(printed_run_times(folder / 'instructors.ipynb')) == {p.stem for p in folder.glob('[0-9][0-9]-*.ipynb')}
+    stale = stale_timings(folder, folder / 'instructors.ipynb')
+    assert not stale, (f'{lang}/instructors.ipynb prints run times of older runs (printed, stored now): {stale}; '
+                       'build the guide again after the sections: tools/nbpair.py build notebooks/src/instructors.txt')
+
+
+def test_a_stale_guide_timing_is_found(tmp_path):
+    folder = ROOT / 'notebooks' / 'en'
+    guide = nbformat.read(folder / 'instructors.ipynb', as_version=4)
+    for cell in guide.cells:
+        for out in cell.get('outputs', []):
+            if 'text' in out:   # planted: 05's printed run time 7 s longer than its stored cells
+                out['text'] = re.sub(r'^(05-multi-gpu-from-scratch\s+)(\d+)', lambda m: m[1] + str(int(m[2]) + 7),
+                                     out['text'], flags=re.M)
+    nbformat.write(guide, tmp_path / 'instructors.ipynb')
+    assert '05-multi-gpu-from-scratch' in stale_timings(folder, tmp_path / 'instructors.ipynb')

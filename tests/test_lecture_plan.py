@@ -1,8 +1,9 @@
 """The guide's lecture plan, checked against the stored notebooks and their timings.
 
-The rule: a 90-minute lecture holds at most 75 minutes of material (course_load's
-estimate from the stored English notebook, run time included), leaving 10 for its
-five-question quiz and 5 for discussion. Every `##` section of 00–10 before its
+The rule: a 90-minute lecture holds at most 75 minutes of material in presenting time
+(course_load's reading estimate from the stored English notebook, run time included, times
+lecture_plan.PRESENTING), leaving 10 for its five-question quiz and 5 for discussion; what
+does not fit is read before class, at most 30 minutes a lecture. Every `##` section of 00–10 before its
 Summary is in exactly one of the ten lectures; in the six-lecture cut, in exactly one
 lecture or in the cut's list of dropped sections. Every heading a part names exists in
 both languages at the same cell, and every homework exercise exists. Each check is shown
@@ -40,15 +41,17 @@ RULE_IN_THE_GUIDE = {
            (r'leaves (\d+) minutes for the five-question quiz', 'QUIZ_MINUTES'),
            (r'and (\d+) for questions and discussion', 'DISCUSSION_MINUTES'),
            (r'well under the (\d+)', 'MATERIAL_MINUTES'),
-           (r'every lecture within (\d+) minutes', 'MATERIAL_MINUTES')],
+           (r'every lecture within (\d+) minutes', 'MATERIAL_MINUTES'),
+           (r'at most (\d+) minutes of reading before class', 'BEFORE_CLASS_MINUTES')],
     'zh': [(r'每次 (\d+) 分钟', 'LECTURE_MINUTES'),
            (r'内容最多 (\d+) 分钟', 'MATERIAL_MINUTES'),
            (r'留出 (\d+) 分钟做五道题的小测', 'QUIZ_MINUTES'),
            (r'(\d+) 分钟用于提问和讨论', 'DISCUSSION_MINUTES'),
            (r'远低于 (\d+) 分钟', 'MATERIAL_MINUTES'),
-           (r'都不超过 (\d+) 分钟', 'MATERIAL_MINUTES')],
+           (r'都不超过 (\d+) 分钟', 'MATERIAL_MINUTES'),
+           (r'课前阅读最多 (\d+) 分钟', 'BEFORE_CLASS_MINUTES')],
 }
-RULE = ('LECTURE_MINUTES', 'QUIZ_MINUTES', 'DISCUSSION_MINUTES', 'MATERIAL_MINUTES')
+RULE = ('LECTURE_MINUTES', 'QUIZ_MINUTES', 'DISCUSSION_MINUTES', 'MATERIAL_MINUTES', 'BEFORE_CLASS_MINUTES')
 
 
 def rule_disagreements(text, lang, minutes):
@@ -151,6 +154,27 @@ def test_an_overfull_lecture_is_found(stored_en, stored_zh):
     broken = [lecture for lecture in broken if lecture.number != 4]
     found = lp.plan_problems(stored_en, stored_zh, broken)
     assert any(p.startswith('lecture 3: about') and 'more than the 75 min' in p for p in found), found
+
+
+def test_presenting_is_what_the_rule_holds_and_reading_before_class_is_capped(stored_en, stored_zh):
+    # lecture 10 presents its parts 2-5 live and leaves part 1 for reading before class; presenting
+    # part 1 too (its reading minutes fit 75) takes more than 75 min at PRESENTING times the reading
+    whole = _replace(lp.LECTURES, 10, parts=[lp.Part('10-attention-and-generation', 'A language model you can count',
+                                                     'Summary')], before_class=[])
+    load = lp.lecture_load(stored_en, whole[9])
+    assert load['minutes'] <= lp.MATERIAL_MINUTES < load['presenting']
+    found = lp.plan_problems(stored_en, stored_zh, whole)
+    assert any(p.startswith('lecture 10: about') and 'min to present' in p for p in found), found
+    # everything of 10 read before class: nothing is presented, but the reading is over its cap
+    homework = _replace(lp.LECTURES, 10, parts=[], before_class=whole[9].parts)
+    found = lp.plan_problems(stored_en, stored_zh, homework)
+    assert any('min of reading before class, more than 30 min' in p for p in found), found
+
+
+def test_a_part_read_before_class_and_presented_too_is_found(stored_en, stored_zh):
+    twice = _replace(lp.LECTURES, 8, before_class=[lp.Part('08-beyond-data-parallelism', 'Choosing', 'Choosing')])
+    found = lp.plan_problems(stored_en, stored_zh, twice)
+    assert found == ['08-beyond-data-parallelism "Choosing" is in 2 lectures [8, 9], not in exactly one'], found
 
 
 def test_an_overfull_cut_lecture_is_found(stored_en, stored_zh):

@@ -1,4 +1,5 @@
 """The comment overlay of tools/nbpair.py: one code cell, its Chinese comments beside the English."""
+import ast
 import re
 
 import nbformat
@@ -26,6 +27,46 @@ def test_each_language_gets_its_own_comments_and_the_same_code(tmp_path):
     assert cell['zh'] == "x = 1  # 加一\ns = '# a string  #zh stays'   # 上面不是注释"
     assert nbpair.strip_comments(cell['en']) == nbpair.strip_comments(cell['zh'])
     assert cell['untranslated'] == []
+
+
+def test_a_one_line_docstring_takes_its_chinese_after_the_quotes(tmp_path):
+    cell = _code_cell(tmp_path, 'def f(x):\n    """Return x as it came."""  #zh 原样返回 x。\n    return x')
+    assert cell['en'] == 'def f(x):\n    """Return x as it came."""\n    return x'
+    assert cell['zh'] == 'def f(x):\n    """原样返回 x。"""\n    return x'
+    assert nbpair.strip_comments(cell['en']) == nbpair.strip_comments(cell['zh'])   # docstrings aside, same code
+    assert nbpair.strip_comments('f("a")') != nbpair.strip_comments('f("b")')       # but not other strings
+    assert cell['untranslated'] == []
+    assert _code_cell(tmp_path, 'def f():\n    """No Chinese."""')['untranslated'] == [(7, '"""No Chinese."""')]
+
+
+def english_docstrings(source):
+    """(name, docstring) of each function or class in a code cell's source whose docstring has no Chinese."""
+    code = '\n'.join('' if line.lstrip().startswith(nbpair.MAGIC) else line for line in source.splitlines())
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []   # a %%writefile of C, say: no Python docstrings
+    return [(node.name, ast.get_docstring(node)) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and ast.get_docstring(node) and not CJK.search(ast.get_docstring(node))
+            and nbpair.needs_chinese(ast.get_docstring(node))]
+
+
+def test_an_english_docstring_is_found_however_it_is_written():
+    # planted: one-line, several lines, a class's, behind a magic line; a Chinese one passes
+    planted = ('%%time\ndef f():\n    """Return one."""\n    return 1\n'
+               'class A:\n    \'\'\'A class,\n    on two lines.\'\'\'\n'
+               'def g():\n    """返回二。"""\n    return 2\n')
+    assert [name for name, _ in english_docstrings(planted)] == ['f', 'A']
+
+
+@pytest.mark.parametrize('path', sorted((nbpair.NOTEBOOKS / 'zh').glob('*.ipynb')), ids=lambda p: p.stem)
+def test_the_chinese_notebooks_docstrings_are_chinese(path):
+    cells = nbformat.read(path, as_version=4).cells
+    found = [f'cell {i}: {name}: {doc.splitlines()[0]}' for i, cell in enumerate(cells)
+             if cell.cell_type == 'code' for name, doc in english_docstrings(cell.source)]
+    assert not found, ('English docstrings in a Chinese notebook (give each one line and "  #zh 中文" after it, '
+                       'or write it as comments):\n' + '\n'.join(found))
 
 
 def test_c_source_written_by_a_cell_uses_slash_comments(tmp_path):

@@ -121,7 +121,7 @@ def notebook_skeleton():
 
 # What a student writes into the skeleton's five gaps
 FILLED = {
-    "    raise NotImplementedError('GAP 1: make_buckets')": """\
+    "    raise NotImplementedError('gap 1: make_buckets')": """\
     buckets, size = [[]], 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
@@ -131,20 +131,20 @@ FILLED = {
         buckets[-1].append(p)
         size += nbytes
     return buckets""",
-    "        raise NotImplementedError('GAP 2: __init__')": """\
+    "        raise NotImplementedError('gap 2: __init__')": """\
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.detach(), src=0)""",
-    "        raise NotImplementedError('GAP 3: gradient_ready')": """\
+    "        raise NotImplementedError('gap 3: gradient_ready')": """\
         while len(self.pending) < len(self.buckets):
             k = len(self.pending)
             if self.ready[k] < len(self.buckets[k]):
                 break
             self.send(k)""",
-    "        raise NotImplementedError('GAP 4: send')": """\
+    "        raise NotImplementedError('gap 4: send')": """\
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in self.buckets[k]]
         flat = torch.cat([g.flatten() for g in grads])
         self.pending.append((dist.all_reduce(flat, async_op=True), flat, self.buckets[k]))""",
-    "        raise NotImplementedError('GAP 5: finish')": """\
+    "        raise NotImplementedError('gap 5: finish')": """\
         for k in range(len(self.pending), len(self.buckets)):
             self.send(k)
         for handle, flat, bucket in self.pending:
@@ -246,7 +246,7 @@ def test_combine_takes_the_largest_gap_of_any_rank():
     ranks = [_result([GOOD_PASS]), {part: 0.0 for part in ('same_start', 'grads', 'accumulation', 'unused')}]
     ranks[1]['grads'] = 0.5
     assert combine(ranks)['grads'] == 0.5 and combine(ranks)['passes'] == [GOOD_PASS]
-    assert combine([ranks[0], {'not built': 'GAP 1'}]) == {'not built': 'GAP 1'}
+    assert combine([ranks[0], {'not built': 'gap 1'}]) == {'not built': 'gap 1'}
 
 
 def test_the_check_refuses_a_world_of_one():
@@ -329,17 +329,17 @@ def test_the_notebooks_skeleton_is_not_built_yet(tmp_path, capsys):
     (tmp_path / 'skeleton.py').write_text(notebook_skeleton())
     assert common.check_bucketed_allreduce('skeleton', folder=tmp_path) == 'not built'
     out = capsys.readouterr().out
-    assert 'not built yet: GAP 1: make_buckets' in out and 'Traceback' not in out
+    assert 'not built yet: gap 1 (make_buckets) still raises NotImplementedError' in out and 'Traceback' not in out
 
 
 @pytest.mark.procs
 def test_the_skeleton_with_its_gaps_filled_passes_and_half_filled_is_not_built(tmp_path, capsys):
     (tmp_path / 'filled.py').write_text(filled_skeleton())
     assert common.check_bucketed_allreduce('filled', folder=tmp_path) == 'pass'
-    no_finish = {gap: answer for gap, answer in FILLED.items() if 'GAP 5' not in gap}
+    no_finish = {gap: answer for gap, answer in FILLED.items() if 'gap 5' not in gap}
     (tmp_path / 'half.py').write_text(filled_skeleton(no_finish))
     assert common.check_bucketed_allreduce('half', folder=tmp_path) == 'not built'
-    assert 'not built yet: GAP 5: finish' in capsys.readouterr().out
+    assert 'not built yet: gap 5 (finish) still raises NotImplementedError' in capsys.readouterr().out
 
 
 def test_each_step_of_the_check_starts_from_ddps_parameters():

@@ -117,6 +117,36 @@ def test_the_profile_shows_each_mistake_and_its_fix(page, tmp_path):
     assert common.step_peak_bytes(draft_trace) > 1.5 * common.step_peak_bytes(final_trace)   # float64
 
 
+def test_anomaly_mode_slows_a_view_and_is_found_beyond_its_own_rows(page, tmp_path, capsys):
+    # real profiles: with anomaly detection on, a view (metadata only) costs several times its plain time
+    def profile(settings):
+        return page['profiled'](page['make_step'](**settings), str(tmp_path / f'{id(settings)}.json'))
+    on, off = profile(FIX1), profile(FIX2)
+    assert common.self_time_per_call(on, 'aten::view') > 2 * common.self_time_per_call(off, 'aten::view')
+    assert common.self_time_per_call(off, 'aten::no_such_operator') is None
+
+
+class _Rows:
+    """A profile's key_averages() from (name, calls, self µs) rows, for debug_mode_cost's arithmetic."""
+    def __init__(self, *rows):
+        self.rows = [types.SimpleNamespace(key=k, count=n, self_cpu_time_total=us) for k, n, us in rows]
+
+    def key_averages(self):
+        return self.rows
+
+
+@pytest.mark.parametrize('on_seconds, case', [(2.0, 'rows'), (2.4, 'rows'), (8.0, 'everything')])
+def test_debug_mode_cost_weighs_the_timed_gain_against_the_checks_rows(on_seconds, case, capsys):
+    # the checks' rows are half the operators' time: removing them promises 2x; a 2x step gain is theirs,
+    # an 8x gain is the mode slowing everything (planted: a rule that reads only the rows would say 'rows')
+    before = _Rows(('aten::isnan', 100, 500.0), ('aten::mm', 10, 400.0), ('aten::view', 50, 100.0))
+    after = _Rows(('aten::mm', 10, 400.0), ('aten::view', 50, 50.0))
+    seconds = {'on': [on_seconds] * 3, 'off': [1.0] * 3}
+    assert common.debug_mode_cost(before, after, ('aten::isnan',), seconds) == case
+    out = capsys.readouterr().out
+    assert '50% of the operators' in out and 'shorten the step 2.00×' in out and '2.0 µs with the mode, 1.0 µs' in out
+
+
 def test_autocast_dtype_does_not_count_emulated_bf16(page, monkeypatch):
     choose = page['autocast_dtype']
     assert choose(torch.device('cpu')) == torch.bfloat16

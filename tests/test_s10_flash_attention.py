@@ -41,10 +41,10 @@ def verdicts(out):
 
 def test_the_reference_passes_both_checks(capsys):
     passed, out = run(common.check_flash_attention, FORWARD, capsys)
-    assert passed and verdicts(out) == dict.fromkeys('abcdef', 'pass'), out
+    assert passed and verdicts(out) == dict.fromkeys('abcdefg', 'pass'), out
     assert out.rstrip().endswith('FlashAttention forward: pass')
     passed, out = run(common.check_flash_backward, FORWARD, capsys)
-    assert passed and verdicts(out) == dict.fromkeys('abc', 'pass'), out
+    assert passed and verdicts(out) == dict.fromkeys('abcd', 'pass'), out
     assert out.rstrip().endswith('FlashAttention backward: pass')
 
 
@@ -60,7 +60,12 @@ def test_the_reference_passes_both_checks(capsys):
     ('local_mask', [('torch.arange(i, i + rows,', 'torch.arange(0, rows,'),
                     ('torch.arange(j, j + cols,', 'torch.arange(0, cols,')], 'b'),
     # (iv) the last, partial query block dropped
-    ('no_last_block', [('for i in range(0, t, block_q):', 'for i in range(0, t - block_q + 1, block_q):')], 'c'),
+    ('no_last_block', [('for i in range(0, t_q, block_q):', 'for i in range(0, t_q - block_q + 1, block_q):')], 'c'),
+    # (vi) as many keys read as there are queries: right while t_q = t_k, wrong (or an error) otherwise
+    ('keys_as_many_as_queries', [('range(0, visible_keys(i, rows, t_k, causal)',
+                                  'range(0, visible_keys(i, rows, t_q, causal)')], 'g'),
+    # (vii) the output shaped like q: right while v's head size is q's
+    ('out_like_q', [('out = q.new_empty(*q.shape[:-1], v.shape[-1])', 'out = torch.empty_like(q)')], 'g'),
     # (v) log l without m
     ('lse_without_max', [('(m + torch.log(row_sum)).squeeze(-1)', 'torch.log(row_sum).squeeze(-1)')], 'e'),
 ])
@@ -91,7 +96,7 @@ def test_plain_attention_inside_passes_everything_but_memory(tmp_path, capsys):
                     'def flash_attention(q, k, v, causal=False, block_q=32, block_k=32):\n'
                     '    return plain_attention(q, k, v, causal)\n')
     passed, out = run(common.check_flash_attention, str(path), capsys)
-    assert not passed and verdicts(out) == dict(dict.fromkeys('abcde', 'pass'), f='FAIL'), out
+    assert not passed and verdicts(out) == dict(dict.fromkeys('abcdeg', 'pass'), f='FAIL'), out
     mine, plain = map(float, re.search(r'\(f\) .*: ([\d.]+) MiB, plain attention ([\d.]+) MiB', out).groups())
     assert mine == plain
 
@@ -102,11 +107,39 @@ def test_plain_attention_inside_passes_everything_but_memory(tmp_path, capsys):
     ('dk_unscaled', 'ds.transpose(-2, -1) @ q_tile * scale', 'ds.transpose(-2, -1) @ q_tile', 'a'),
     ('no_mask_in_recompute', 'exp(tile_scores(q_tile, k_tile, i, j, causal)',
      'exp(tile_scores(q_tile, k_tile, i, j, False)', 'b'),
+    ('keys_as_many_as_queries', 'for j in range(0, t_k, block_k):', 'for j in range(0, t_q, block_k):', 'd'),
 ])
 def test_a_planted_backward_mistake_fails_its_part(name, old, new, fails, tmp_path, capsys):
     passed, out = run(common.check_flash_backward, planted(tmp_path, name, (old, new)), capsys)
     assert not passed and verdicts(out)[fails] == 'FAIL', out
     assert out.rstrip().endswith('FlashAttention backward: fail')
+
+
+@pytest.mark.parametrize('t_q, t_k', [(5, 9), (9, 5), (7, 7)])
+def test_the_causal_mask_is_aligned_as_sdpa_aligns_it(t_q, t_k):
+    # top left: query i sees keys 0 .. i (torch.ones(t_q, t_k).tril()), whatever the lengths
+    q, k, v = (torch.randn(2, t, 4 if name != 'v' else 3, dtype=torch.float64)
+               for name, t in (('q', t_q), ('k', t_k), ('v', t_k)))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(s10.plain_attention(q, k, v, causal=True)[0], want, atol=1e-12)
+    out = s10.flash_attention(q.float(), k.float(), v.float(), causal=True, block_q=2, block_k=3)[0]
+    assert out.shape == (2, t_q, 3) and torch.allclose(out.double(), want, atol=1e-5)
+
+
+@pytest.mark.parametrize('q, k, v, error, says', [
+    (torch.ones(1, 4, 8, dtype=torch.long), torch.ones(1, 4, 8, dtype=torch.long),
+     torch.ones(1, 4, 8, dtype=torch.long), TypeError, 'floating-point'),
+    (torch.ones(1, 4, 8), torch.ones(2, 4, 8), torch.ones(2, 4, 8), ValueError, 'leading'),
+    (torch.ones(1, 4, 8), torch.ones(1, 4, 6), torch.ones(1, 4, 8), ValueError, 'head size'),
+    (torch.ones(1, 4, 8), torch.ones(1, 4, 8), torch.ones(1, 5, 8), ValueError, 'as many rows'),
+    (torch.ones(1, 4, 8), torch.ones(1, 0, 8), torch.ones(1, 0, 8), ValueError, 'at least one'),
+])
+def test_inputs_that_cannot_be_attended_get_a_clear_error(q, k, v, error, says):
+    for attend in (s10.flash_attention, s10.plain_attention):
+        with pytest.raises(error, match=says):
+            attend(q, k, v)
+    with pytest.raises(error, match=says):
+        s10.flash_attention_backward(q, k, v, q, q[..., 0], q)
 
 
 @pytest.mark.parametrize('body, says', [

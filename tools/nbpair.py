@@ -18,8 +18,15 @@ English, on the same line (in C source written by %%writefile: // and //zh):
 
     x = f(y)  # English words  #zh 中文
 
-The English notebook shows "# English words", the Chinese one "# 中文". A prose
-comment without "#zh" is reported by `untranslated` (and a test); comments for
+The English notebook shows "# English words", the Chinese one "# 中文". A one-line
+docstring (or any string alone on its line) is translated the same way, the
+Chinese after the closing quotes:
+
+    \"\"\"What the function returns.\"\"\"  #zh 函数返回什么。
+
+and the Chinese notebook shows the Chinese between the quotes. A docstring of several lines
+has no place for its Chinese: write it as one line, or as comments. A prose
+comment or one-line docstring without "#zh" is reported by `untranslated` (and a test); comments for
 tools (# noqa, # type: ...) need none. A malformed overlay ("#zh" with no English
 before it or no Chinese after it, a second or unknown marker) is an error naming
 the source's file and line, never a dropped comment.
@@ -108,6 +115,8 @@ PRAGMA = re.compile(r'^(#|//)\s*(noqa|type:|fmt:|pragma|pylint:|ruff:|isort:|nbv
 # Anything shaped like a language marker that is not exactly "#zh " (a typo would be lost).
 MARKER_LIKE = re.compile(r'(#|//)\s*(zh|cn|ZH|CN|zh-\w+)(?=[\s:：=,.]|$)')
 MAGIC = ('%', '!')   # IPython lines: left as written
+# A line that is only a string literal (a docstring), with its quotes: translated by "#zh" after it.
+DOCSTRING_LINE = re.compile(r'^(\s*)([rRuU]?)("""|\'\'\')(.*)\3\s*$')
 
 
 def _cell_language(lines):
@@ -187,6 +196,15 @@ def render_code(lines, where, code_only=False):
     for i, col in columns.items():
         code, comment = lines[i][:col], lines[i][col:]
         lead = '//' if comment.startswith('//') else '#'
+        docstring = DOCSTRING_LINE.match(code)
+        if docstring and comment.startswith(f'{OVERLAY[lead]} ') and not code_only:   # """English."""  #zh 中文
+            indent, prefix, quotes, _ = docstring.groups()
+            chinese = comment[len(OVERLAY[lead]) + 1:].strip()
+            if not chinese or MARKER_LIKE.search(chinese):
+                raise ValueError(f'{where(i)}: a docstring\'s overlay is """English."""  #zh 中文, once')
+            out['en'][i] = code.rstrip()
+            out['zh'][i] = f'{indent}{prefix}{quotes}{chinese}{quotes}'
+            continue
         try:
             english, chinese = split_overlay(comment)
         except ValueError as err:
@@ -197,7 +215,15 @@ def render_code(lines, where, code_only=False):
         out['zh'][i] = code + (english if chinese is None else f'{lead} {chinese}')
         if chinese is None and not code_only and needs_chinese(english):
             missing.append((i, english))
+    missing += [(i, line.strip()) for i, line in enumerate(lines)
+                if i not in columns and not code_only and _english_docstring(lines, i)]
     return {lang: '\n'.join(text) for lang, text in out.items()}, missing
+
+
+def _english_docstring(lines, i):
+    """Whether line i is a one-line docstring with words and no overlay (the caller knows it has no comment)."""
+    found = DOCSTRING_LINE.match(lines[i])
+    return bool(found) and needs_chinese(found.group(4)) and not re.search('[\u4e00-\u9fff]', found.group(4))
 
 
 def untranslated(src):
@@ -216,10 +242,20 @@ def strip_comments(src):
         return ' '.join(part.strip() for part in code if part.strip())
     python = '\n'.join(repr(line.strip()) if line.lstrip().startswith(MAGIC) else line for line in lines)
     try:
-        toks = tokenize.generate_tokens(io.StringIO(python).readline)
-        return ' '.join(t.string for t in toks if t.type not in skip)
+        toks = list(tokenize.generate_tokens(io.StringIO(python).readline))
+        docstrings = {k for k, t in enumerate(toks) if t.type == tokenize.STRING and _alone(toks, k)}
+        return ' '.join(t.string for k, t in enumerate(toks) if t.type not in skip and k not in docstrings)
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return src  # not Python: compare as written
+
+
+def _alone(toks, k):
+    """Whether token k, a string, is a statement of its own (a docstring, which each language words its way)."""
+    layout = (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT)
+    before = next((t for t in reversed(toks[:k]) if t.type not in (tokenize.COMMENT, tokenize.NL)), None)
+    after = next((t for t in toks[k + 1:] if t.type != tokenize.COMMENT), None)
+    return (before is None or before.type in layout) and (after is None or after.type in (tokenize.NEWLINE,
+                                                                                           tokenize.ENDMARKER))
 
 
 # The course's kernel, registered by ./course inside .venv: a notebook that asks for it runs the
