@@ -29,14 +29,18 @@ def test_each_language_gets_its_own_comments_and_the_same_code(tmp_path):
     assert cell['untranslated'] == []
 
 
-def test_a_one_line_docstring_takes_its_chinese_after_the_quotes(tmp_path):
-    cell = _code_cell(tmp_path, 'def f(x):\n    """Return x as it came."""  #zh 原样返回 x。\n    return x')
-    assert cell['en'] == 'def f(x):\n    """Return x as it came."""\n    return x'
-    assert cell['zh'] == 'def f(x):\n    """原样返回 x。"""\n    return x'
-    assert nbpair.strip_comments(cell['en']) == nbpair.strip_comments(cell['zh'])   # docstrings aside, same code
-    assert nbpair.strip_comments('f("a")') != nbpair.strip_comments('f("b")')       # but not other strings
-    assert cell['untranslated'] == []
-    assert _code_cell(tmp_path, 'def f():\n    """No Chinese."""')['untranslated'] == [(7, '"""No Chinese."""')]
+def test_a_docstring_is_code_so_a_translated_one_is_refused_and_an_english_one_reported(tmp_path):
+    # a docstring is the same in both notebooks: what a function does is said in a comment under its def
+    with pytest.raises(ValueError, match='write what it says as a comment') as err:
+        _code_cell(tmp_path, 'def f(x):\n    """Return x as it came."""  #zh 原样返回 x。\n    return x')
+    assert '99-demo.txt:7' in str(err.value)
+    english = _code_cell(tmp_path, 'def f():\n    """No Chinese."""\n    pass')
+    assert english['untranslated'] == [(7, '"""No Chinese."""')]
+    cell = _code_cell(tmp_path, 'def f(x):\n    # Return x as it came.  #zh 原样返回 x。\n    return x')
+    assert cell['zh'] == 'def f(x):\n    # 原样返回 x。\n    return x' and cell['untranslated'] == []
+    assert nbpair.strip_comments('def f():\n    """a"""\n    pass') != nbpair.strip_comments('def f():\n    pass')
+    assert nbpair.strip_comments('def f():\n    """a"""\n    pass', docstrings=False) == \
+        nbpair.strip_comments('def f():\n    # a\n    pass', docstrings=False)   # what prose accepts
 
 
 def english_docstrings(source):

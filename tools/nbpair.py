@@ -18,15 +18,11 @@ English, on the same line (in C source written by %%writefile: // and //zh):
 
     x = f(y)  # English words  #zh 中文
 
-The English notebook shows "# English words", the Chinese one "# 中文". A one-line
-docstring (or any string alone on its line) is translated the same way, the
-Chinese after the closing quotes:
-
-    \"\"\"What the function returns.\"\"\"  #zh 函数返回什么。
-
-and the Chinese notebook shows the Chinese between the quotes. A docstring of several lines
-has no place for its Chinese: write it as one line, or as comments. A prose
-comment or one-line docstring without "#zh" is reported by `untranslated` (and a test); comments for
+The English notebook shows "# English words", the Chinese one "# 中文". A docstring
+is code, the same in both notebooks, so a function in a code cell says what it does
+in a comment under its def line, which each language words its own way; a
+docstring there is refused with the line. A prose comment without "#zh" is
+reported by `untranslated` (and a test); comments for
 tools (# noqa, # type: ...) need none. A malformed overlay ("#zh" with no English
 before it or no Chinese after it, a second or unknown marker) is an error naming
 the source's file and line, never a dropped comment.
@@ -196,15 +192,9 @@ def render_code(lines, where, code_only=False):
     for i, col in columns.items():
         code, comment = lines[i][:col], lines[i][col:]
         lead = '//' if comment.startswith('//') else '#'
-        docstring = DOCSTRING_LINE.match(code)
-        if docstring and comment.startswith(f'{OVERLAY[lead]} ') and not code_only:   # """English."""  #zh 中文
-            indent, prefix, quotes, _ = docstring.groups()
-            chinese = comment[len(OVERLAY[lead]) + 1:].strip()
-            if not chinese or MARKER_LIKE.search(chinese):
-                raise ValueError(f'{where(i)}: a docstring\'s overlay is """English."""  #zh 中文, once')
-            out['en'][i] = code.rstrip()
-            out['zh'][i] = f'{indent}{prefix}{quotes}{chinese}{quotes}'
-            continue
+        if DOCSTRING_LINE.match(code) and comment.startswith(f'{OVERLAY[lead]} ') and not code_only:
+            raise ValueError(f'{where(i)}: a docstring is code, the same in both languages: write what it says as '
+                             f'a comment, "# English  {OVERLAY[lead]} 中文"')
         try:
             english, chinese = split_overlay(comment)
         except ValueError as err:
@@ -221,7 +211,8 @@ def render_code(lines, where, code_only=False):
 
 
 def _english_docstring(lines, i):
-    """Whether line i is a one-line docstring with words and no overlay (the caller knows it has no comment)."""
+    """Whether line i is a one-line docstring with words (the caller knows it has no comment): the Chinese
+    notebook would show it in English, so `untranslated` asks for a comment instead."""
     found = DOCSTRING_LINE.match(lines[i])
     return bool(found) and needs_chinese(found.group(4)) and not re.search('[\u4e00-\u9fff]', found.group(4))
 
@@ -233,8 +224,9 @@ def untranslated(src):
             for line, comment in cell['untranslated']]
 
 
-def strip_comments(src):
-    """Code without comments and blank lines, as a comparable string (IPython lines as written)."""
+def strip_comments(src, docstrings=True):
+    """Code without comments and blank lines, as a comparable string (IPython lines as written); docstrings=False
+    also drops strings alone on their line, so that a docstring turned into a comment compares equal."""
     skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
     lines = src.splitlines()
     if _cell_language(lines) == 'c':
@@ -243,8 +235,9 @@ def strip_comments(src):
     python = '\n'.join(repr(line.strip()) if line.lstrip().startswith(MAGIC) else line for line in lines)
     try:
         toks = list(tokenize.generate_tokens(io.StringIO(python).readline))
-        docstrings = {k for k, t in enumerate(toks) if t.type == tokenize.STRING and _alone(toks, k)}
-        return ' '.join(t.string for k, t in enumerate(toks) if t.type not in skip and k not in docstrings)
+        dropped = set() if docstrings else {k for k, t in enumerate(toks)
+                                             if t.type == tokenize.STRING and _alone(toks, k)}
+        return ' '.join(t.string for k, t in enumerate(toks) if t.type not in skip and k not in dropped)
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return src  # not Python: compare as written
 
@@ -321,8 +314,9 @@ def update_prose(src):
         want = make_notebook(cells, lang)
         old_code = [c for c in nb.cells if c.cell_type == 'code']
         new_code = [c for c in want.cells if c.cell_type == 'code']
-        if [(strip_comments(c.source), c.metadata.get('tags', [])) for c in old_code] != \
-           [(strip_comments(c.source), c.metadata.get('tags', [])) for c in new_code]:
+        # a docstring may become a comment (what the course asks of code cells) without a new run
+        if [(strip_comments(c.source, docstrings=False), c.metadata.get('tags', [])) for c in old_code] != \
+           [(strip_comments(c.source, docstrings=False), c.metadata.get('tags', [])) for c in new_code]:
             raise SystemExit(f'{Path(src).name}: code or its tags changed; run `build` instead.')
         for old, new in zip(old_code, new_code):
             new.outputs, new.execution_count = old.outputs, old.execution_count
