@@ -10,7 +10,7 @@ import torch
 
 from comp_perf.language import pad, tr
 from comp_perf.machine import usable_cores
-from comp_perf.measure import measure, synchronize, verdict
+from comp_perf.measure import measure, paired_ratio, synchronize, verdict
 from comp_perf.s04_hardware import cpu_facts, gpu_datasheet
 
 PHASES = ('data', 'forward', 'backward', 'optimizer step')
@@ -72,7 +72,7 @@ def debug_mode_cost(before, after, checks, seconds, trivial='aten::view'):
     """
     share = self_time_share(before, checks)
     promised = 1 / max(1 - share, 1e-12)
-    measured = _median(seconds['on']) / _median(seconds['off'])
+    measured = paired_ratio(seconds['on'], seconds['off'])[0]   # round by round, as every interleaved ratio
     print(tr('the checks\' own rows: {s:.0%} of the operators\' time, so removing only them would shorten the step '
              '{p:.2f}×', s=share, p=promised))
     print(tr('the step timed in turns, with the mode ÷ without: {m:.2f}×', m=measured))
@@ -81,10 +81,6 @@ def debug_mode_cost(before, after, checks, seconds, trivial='aten::view'):
         print(tr('{op}, which moves no data, per call under the profiler: {a:.1f} µs with the mode, {b:.1f} µs '
                  'without', op=trivial, a=per_call[0], b=per_call[1]))
     return verdict('measured gain ÷ the gain of the checks\' own rows', measured / promised, OWN_ROWS_ONLY)
-
-
-def _median(values):
-    return sorted(values)[len(values) // 2]
 
 
 def input_types(prof, name):
