@@ -86,6 +86,11 @@ from comp_perf.s09_training_step import (PHASES, wait_for_device, trace_spans, p
                                          matmul_peak, datasheet_peak, print_rows, plot_payoff)
 from comp_perf.s09_faster_step import slow_step, check_faster_step, fast_step
 
-# 10 Attention and generation — FlashAttention's tiles, graded
+# 10 Attention and generation — the model, FlashAttention's tiles, graded
+from comp_perf.s10_model import Block, GPT
 from comp_perf.s10_flash_attention import (flash_attention, flash_attention_backward, check_flash_attention,
                                            check_flash_backward, peak_allocated, show_flash_solution)
+
+# 11 Writing a kernel — Triton here, bytes counted, the kernel build and its check
+from comp_perf.s11_triton import (load_triton, skipped, traffic_of, eager_traffic, check_triton_flash,
+                                  load_kernel_file, kernel_attention)

@@ -1,7 +1,7 @@
 """The instructor's guide's lecture plan, as data, and its checks against the stored notebooks.
 
-Ten 90-minute lectures cover sections 00–10; a six-lecture cut merges nine of them
-and drops named sections (all of section 10, which students may read on their own). A
+Eleven 90-minute lectures cover sections 00–11; a six-lecture cut merges nine of them
+and drops named sections (all of sections 10 and 11, which students may read on their own). A
 lecture is a list of parts, each (notebook stem, first `##` heading, last `##` heading),
 the headings written without their number, so that a
 section inserted or renumbered elsewhere moves no part. A part runs from its first
@@ -43,7 +43,7 @@ Lecture = namedtuple('Lecture', 'number parts homework merges before_class', def
 _CLOSING = {'Summary', 'Exercises', '小结', '练习'}
 BUILD = 'build'   # a section's "Build it" part, the piece its check grades, as homework
 # a build's minutes for a student, its check passing included (08's build is its exercise 5, timed there)
-BUILD_MINUTES = {'06': 45, '09': 45, '10': 45}
+BUILD_MINUTES = {'06': 45, '09': 45, '10': 45, '11': 45}
 # every lecture's homework, by the exercises' own estimates and BUILD_MINUTES: balanced, none a week's work
 HOMEWORK_MINUTES = (45, 90)
 
@@ -75,11 +75,14 @@ LECTURES = [
             homework=(('10', BUILD), ('10', 1), ('10', 2)),
             before_class=[Part('10-attention-and-generation', 'A language model you can count',
                                'A language model you can count')]),
+    Lecture(11, [Part('11-writing-kernels', 'The programming model', 'Summary')],
+            homework=(('11', BUILD), ('11', 1))),
 ]
 
-# The six-lecture cut: lectures 1–9 of the ten merged, these sections dropped (shown from the
-# stored outputs or left for reading). Lecture 10 is dropped whole: six lectures cannot hold ten
-# topics, and section 10 stands on its own after 09, so it is left for reading, its build optional.
+# The six-lecture cut: lectures 1–9 of the eleven merged, these sections dropped (shown from the
+# stored outputs or left for reading). Lectures 10 and 11 are dropped whole: six lectures cannot hold
+# eleven topics, and sections 10 and 11 stand on their own after 09, so they are left for reading,
+# their builds optional.
 CUT_DROPS = [
     ('02-asynchronous-computation', 'What the profiler sees'),
     ('03-automatic-parallelism', 'Parallel computation on GPUs'),
@@ -100,6 +103,12 @@ CUT_DROPS = [
     ('10-attention-and-generation', "Build it: FlashAttention's forward pass"),
     ('10-attention-and-generation', 'Generation'),
     ('10-attention-and-generation', 'Smaller weights'),
+    ('11-writing-kernels', 'The programming model'),
+    ('11-writing-kernels', 'Fusion, counted'),
+    ('11-writing-kernels', 'Tiles and the roofline'),
+    ('11-writing-kernels', "Build it: FlashAttention-2's forward pass in Triton"),
+    ('11-writing-kernels', 'What `torch.compile` writes'),
+    ('11-writing-kernels', 'On a GPU'),
 ]
 
 SIX_LECTURES = [

@@ -194,6 +194,7 @@ TOL_LARGE = 1e-3   # part (d): scores near ±2000 carry fp32 rounding of ~1e-4 i
 LARGE = 20.0       # part (d): q and k scaled by this, so scores reach about ±2000 (exp overflows above 88)
 MEMORY = dict(batch=4, t=1024, d=32, block=64)   # part (f): the t × t scores are 16 MiB in fp32
 DV = 24            # part (g): a value head size unlike the query/key head size 16
+BATCH = (2, 3)     # the inputs' leading (batch, head) dimensions
 
 
 class _Stop(Exception):
@@ -210,7 +211,7 @@ def plain_attention(q, k, v, causal=False):
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def _inputs(t, seed, scale=1.0, batch=(2, 3), d=16, t_k=None, d_v=None):
+def _inputs(t, seed, scale=1.0, batch=BATCH, d=16, t_k=None, d_v=None):
     """fp32 q (t rows), k and v (t_k rows, t unless given; v of head size d_v, d unless given)."""
     t_k, d_v = t if t_k is None else t_k, d if d_v is None else d_v
     with torch.random.fork_rng(devices=[]):
@@ -218,7 +219,7 @@ def _inputs(t, seed, scale=1.0, batch=(2, 3), d=16, t_k=None, d_v=None):
         return [torch.randn(*batch, t, d) * scale, torch.randn(*batch, t_k, d) * scale, torch.randn(*batch, t_k, d_v)]
 
 
-def _load(source, name):
+def load_solution(source, name):
     """The function `name` from a student's file (a path ending in .py) or a module (a module name)."""
     try:
         if str(source).endswith('.py'):
@@ -275,47 +276,48 @@ def _report(letter, what, errors, tol):
     return ok
 
 
-def _forward_errors(flash, t, block_q, block_k, causal, seed, scale=1.0, lse_too=False, t_k=None, d_v=None):
+def _forward_errors(flash, t, block_q, block_k, causal, seed, scale=1.0, lse_too=False, t_k=None, d_v=None,
+                    batch=BATCH):
     """Errors of (out[, lse]) from flash against float64 plain attention, on fp32 inputs (_inputs)."""
-    q, k, v = _inputs(t, seed, scale, t_k=t_k, d_v=d_v)
+    q, k, v = _inputs(t, seed, scale, batch, t_k=t_k, d_v=d_v)
     out, lse = _call(flash, 2, q, k, v, causal=causal, block_q=block_q, block_k=block_k)
     want_out, want_lse = plain_attention(q.double(), k.double(), v.double(), causal)
     return [_error(lse, want_lse)] if lse_too else [_error(out, want_out)]
 
 
-def _largest_score(t, seed, scale):
-    q, k, _ = _inputs(t, seed, scale)
+def _largest_score(t, seed, scale, batch=BATCH):
+    q, k, _ = _inputs(t, seed, scale, batch)
     return (q @ k.transpose(-2, -1)).abs().max().item() / math.sqrt(q.shape[-1])
 
 
-def _forward_parts(flash, block):
+def forward_parts(flash, block, batch=BATCH):
     """Parts (a) to (e): one line each; the list of their verdicts."""
     half = max(1, block // 2)
     return [
         _report('a', tr('without the mask, t = {t}', t=4 * block),
-                [_forward_errors(flash, 4 * block, block, block, False, 1)[0]], TOL),
+                [_forward_errors(flash, 4 * block, block, block, False, 1, batch=batch)[0]], TOL),
         _report('b', tr('causal, t = {t}, blocks {bq}×{bq}, {bq}×{bk} and {bk}×{bq}', t=4 * block, bq=block, bk=half),
-                [_forward_errors(flash, 4 * block, bq, bk, True, 2)[0]
+                [_forward_errors(flash, 4 * block, bq, bk, True, 2, batch=batch)[0]
                  for bq, bk in ((block, block), (block, half), (half, block))], TOL),
         _report('c', tr('t = {t}, not a multiple of the block {b} (causal and not)', t=2 * block + 13, b=block),
-                [_forward_errors(flash, 2 * block + 13, block, block, causal, 3)[0] for causal in (False, True)],
-                TOL),
+                [_forward_errors(flash, 2 * block + 13, block, block, causal, 3, batch=batch)[0]
+                 for causal in (False, True)], TOL),
         _report('d', tr('large scores (q and k × {s:g}: |scores| up to {top:.0f}), finite and equal', s=LARGE,
-                        top=_largest_score(2 * block, 4, LARGE)),
-                [_forward_errors(flash, 2 * block, block, block, causal, 4, LARGE)[0] for causal in (False, True)],
-                TOL_LARGE),
+                        top=_largest_score(2 * block, 4, LARGE, batch)),
+                [_forward_errors(flash, 2 * block, block, block, causal, 4, LARGE, batch=batch)[0]
+                 for causal in (False, True)], TOL_LARGE),
         _report('e', tr('the logsumexp of each row (small and large scores, causal and not)'),
-                [_forward_errors(flash, 2 * block + 13, block, block, causal, 5, scale, lse_too=True)[0]
+                [_forward_errors(flash, 2 * block + 13, block, block, causal, 5, scale, lse_too=True, batch=batch)[0]
                  for causal in (False, True) for scale in (1.0, LARGE)], TOL),
     ]
 
 
-def _lengths_part(flash, block):
+def lengths_part(flash, block, batch=BATCH):
     """Part (g): unequal query and key lengths, and a value head size unlike d."""
     what = tr('queries and keys of different lengths (t_q = {a}, t_k = {b} and the reverse, causal and not), '
               'value head size {dv} ≠ d', a=block + 7, b=3 * block + 5, dv=DV)
     return _report_or_fail('g', what, lambda: [
-        _forward_errors(flash, t_q, block, block, causal, 7, t_k=t_k, d_v=DV)[0]
+        _forward_errors(flash, t_q, block, block, causal, 7, t_k=t_k, d_v=DV, batch=batch)[0]
         for t_q, t_k in _unequal_lengths(block) for causal in (False, True)])
 
 
@@ -373,12 +375,12 @@ def check_flash_attention(source='comp_perf.s10_flash_attention', block=32):
     missing file, an error or a wrong return prints one line saying so, not a traceback.
     """
     def parts():
-        flash = _load(source, 'flash_attention')
-        return _forward_parts(flash, block) + [_memory_part(flash), _lengths_part(flash, block)]
-    return _graded(parts, 'FlashAttention forward: pass', 'FlashAttention forward: fail')
+        flash = load_solution(source, 'flash_attention')
+        return forward_parts(flash, block) + [_memory_part(flash), lengths_part(flash, block)]
+    return graded_check(parts, 'FlashAttention forward: pass', 'FlashAttention forward: fail')
 
 
-def _graded(parts, passed, failed):
+def graded_check(parts, passed, failed):
     """Run a check's parts (each prints its line) and print its result; one line, not a traceback, for a
     gap still unfilled or a file that cannot be graded (_Stop)."""
     try:
@@ -417,7 +419,7 @@ def check_flash_backward(source='comp_perf.s10_flash_attention', block=32):
     half = max(1, block // 2)
 
     def parts():
-        backward = _load(source, 'flash_attention_backward')
+        backward = load_solution(source, 'flash_attention_backward')
         return [
             _report('a', tr('gradients without the mask, t = {t}', t=4 * block),
                     _backward_errors(backward, 4 * block, block, block, False, 11), TOL),
@@ -435,4 +437,4 @@ def check_flash_backward(source='comp_perf.s10_flash_attention', block=32):
                                      for e in _backward_errors(backward, t_q, block, block, causal, 14, t_k=t_k,
                                                                d_v=DV)]),
         ]
-    return _graded(parts, 'FlashAttention backward: pass', 'FlashAttention backward: fail')
+    return graded_check(parts, 'FlashAttention backward: pass', 'FlashAttention backward: fail')

@@ -26,6 +26,11 @@ import threading
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton fixes interpreted or compiled for its own helpers when first imported, and any test may
+    # import it first (torch.compile's checks do): on a machine without a GPU, interpreted, as 11 runs it.
+    os.environ.setdefault('TRITON_INTERPRET', '1')
+
 pytest_plugins = ('pytester',)   # tests/test_tiers.py runs planted tests through this conftest
 
 MARKERS = {'notebooks': "nbval's cells of the stored notebooks",

@@ -28,9 +28,13 @@ SHOWN_BY = {
     '09': [('VARIANTS', 'PAYOFF', 'OVERALL', 'show_payoff')],
     '10': [('ATTENTION', 'plain_attention', 'VERSIONS', 'MEMORY_CASES', 'SPEED_CASES', 'show_attention'),
            ('DECODE', 'PREDICTION_CASES', 'show_prediction', 'show_batches', 'show_decode')],
+    '11': [('median', 'KERNELS', 'show_kernels')],
 }
 # Figures that a cell stores as one number per measured point (lengths, batch sizes) or per round.
-LIST_FIGURES = {'10 decode on the roofline': {'batch', 'ms per step', 'FLOP per byte', 'GFLOP/s'}}
+LIST_FIGURES = {'10 decode on the roofline': {'batch', 'ms per step', 'FLOP per byte', 'GFLOP/s'},
+                '11 kernels': {'add kernel', 'add torch', 'softmax kernel', 'softmax torch', 'softmax chain',
+                               'softmax bf16 kernel', 'softmax bf16 torch', 'matmul kernel', 'matmul torch',
+                               'attention kernel', 'attention sdpa'}}
 SYNTHETIC_GPU = 'SYNTHETIC GPU (test data, not a measurement)'
 
 

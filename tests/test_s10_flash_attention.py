@@ -85,7 +85,7 @@ def test_no_max_passes_small_scores_and_gives_nan_at_large_ones(tmp_path, capsys
 def test_a_tile_local_mask_is_right_only_where_the_tiles_align(tmp_path):
     path = planted(tmp_path, 'local_mask', ('torch.arange(i, i + rows,', 'torch.arange(0, rows,'),
                    ('torch.arange(j, j + cols,', 'torch.arange(0, cols,'))
-    flash = s10._load(path, 'flash_attention')
+    flash = s10.load_solution(path, 'flash_attention')
     assert s10._forward_errors(flash, 128, 32, 32, True, 2)[0] < s10.TOL
     assert s10._forward_errors(flash, 128, 32, 16, True, 2)[0] > 100 * s10.TOL
 
