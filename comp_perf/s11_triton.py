@@ -71,7 +71,7 @@ def load_triton(device):
     if interpreting():
         kit = Kit(triton, tl, 'interpreter', 'TRITON_INTERPRET=1')
         print(tr('Triton {v}, interpreter: each program instance runs in NumPy on the CPU, one after another; '
-                 'results are exact, times mean nothing', v=triton.__version__))
+                 'results are right, times mean nothing', v=triton.__version__))
     else:
         kit = Kit(triton, tl, 'native', torch.cuda.get_device_name(device))
         print(tr('Triton {v}, compiled for {gpu}: kernels run on the GPU and can be timed',
