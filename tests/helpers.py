@@ -85,3 +85,13 @@ def wait_for(browser, condition, seconds, what):
     shot = SHOTS / f'failed-{int(time.time())}.png'
     browser.save_screenshot(str(shot))
     raise AssertionError(f'gave up after {seconds} s waiting for {what}; screenshot {shot}')
+
+
+def planted_file(reference, tmp_path, name, *changes):
+    """tmp_path/name.py holding the text `reference` with each (old, new) of changes made (old there once)."""
+    for old, new in changes:
+        assert reference.count(old) == 1, f'the reference should contain {old!r} once'
+        reference = reference.replace(old, new)
+    path = tmp_path / f'{name}.py'
+    path.write_text(reference, encoding='utf-8')
+    return path

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbpair
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, planted_file
 
 import common
 from comp_perf import s10_flash_attention as s10
@@ -19,13 +19,7 @@ FORWARD = 'comp_perf.s10_flash_attention'
 
 def planted(tmp_path, name, *changes):
     """A file holding the reference module with each (old, new) of changes made (old must be there once)."""
-    source = REFERENCE
-    for old, new in changes:
-        assert source.count(old) == 1, f'the reference should contain {old!r} once'
-        source = source.replace(old, new)
-    path = tmp_path / f'{name}.py'
-    path.write_text(source, encoding='utf-8')
-    return str(path)
+    return str(planted_file(REFERENCE, tmp_path, name, *changes))
 
 
 def run(check, source, capsys):
