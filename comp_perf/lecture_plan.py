@@ -43,7 +43,7 @@ Lecture = namedtuple('Lecture', 'number parts homework merges before_class', def
 _CLOSING = {'Summary', 'Exercises', '小结', '练习'}
 BUILD = 'build'   # a section's "Build it" part, the piece its check grades, as homework
 # a build's minutes for a student, its check passing included (08's build is its exercise 5, timed there)
-BUILD_MINUTES = {'06': 45, '09': 45, '10': 45, '11': 45}
+BUILD_MINUTES = {'06': 45, '09': 45, '10': 45, '11': 45, '12': 45}
 # every lecture's homework, by the exercises' own estimates and BUILD_MINUTES: balanced, none a week's work
 HOMEWORK_MINUTES = (45, 90)
 
@@ -77,11 +77,13 @@ LECTURES = [
                                'A language model you can count')]),
     Lecture(11, [Part('11-writing-kernels', 'The programming model', 'Summary')],
             homework=(('11', BUILD), ('11', 1))),
+    Lecture(12, [Part('12-long-context-and-experts', 'Why long context needs more than one device', 'Summary')],
+            homework=(('12', BUILD), ('12', 1), ('12', 2))),
 ]
 
-# The six-lecture cut: lectures 1–9 of the eleven merged, these sections dropped (shown from the
-# stored outputs or left for reading). Lectures 10 and 11 are dropped whole: six lectures cannot hold
-# eleven topics, and sections 10 and 11 stand on their own after 09, so they are left for reading,
+# The six-lecture cut: lectures 1–9 of the twelve merged, these sections dropped (shown from the
+# stored outputs or left for reading). Lectures 10 to 12 are dropped whole: six lectures cannot hold
+# twelve topics, and sections 10 to 12 stand on their own after 09, so they are left for reading,
 # their builds optional.
 CUT_DROPS = [
     ('02-asynchronous-computation', 'What the profiler sees'),
@@ -109,6 +111,12 @@ CUT_DROPS = [
     ('11-writing-kernels', "Build it: FlashAttention-2's forward pass in Triton"),
     ('11-writing-kernels', 'What `torch.compile` writes'),
     ('11-writing-kernels', 'On a GPU'),
+    ('12-long-context-and-experts', 'Why long context needs more than one device'),
+    ('12-long-context-and-experts', 'Build it: ring attention'),
+    ('12-long-context-and-experts', 'Balancing the causal ring'),
+    ('12-long-context-and-experts', 'A mixture of experts on one process'),
+    ('12-long-context-and-experts', 'Expert parallelism'),
+    ('12-long-context-and-experts', 'Where the dimensions meet'),
 ]
 
 SIX_LECTURES = [

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from comp_perf.language import tr
 from comp_perf.processes import launch, run_keys
-from comp_perf.s10_flash_attention import plain_attention
+from comp_perf.s10_flash_attention import LARGE, TOL, TOL_LARGE, plain_attention
 
 # ----- the layout of the sequence over the ranks -----
 
@@ -149,10 +149,8 @@ def ring_bytes_per_rank(t, world_size, heads_and_batch, d, d_v, element_bytes=4)
 
 # ----- the check: anyone's ring against plain attention in float64 -----
 
-TOL = 1e-4         # largest error relative to the reference's largest |value| (fp32 against float64), as in 10
-TOL_LARGE = 1e-3   # part (d): scores near ±2000 carry fp32 rounding of ~1e-4 into exp, as in 10
-LARGE = 20.0       # part (d): q and k scaled by this
-HANG_SECONDS = 10  # a transfer that waits longer is a deadlock: a passing check's transfers take milliseconds
+# TOL, TOL_LARGE (part (d)) and LARGE, q and k's scale in part (d), are 10's.
+RING_HANG_SECONDS = 10  # a transfer that waits longer is a deadlock: a passing check's transfers take milliseconds
 D, BATCH = 16, (2,)
 # (letter, processes, t, causal, layout, scale): every case each group of processes runs
 CASES = (('a', 2, 96, False, 'contiguous', 1.0), ('b', 2, 96, True, 'contiguous', 1.0),
@@ -207,8 +205,8 @@ def _noting_computes(block_attention, events):
     return noted
 
 
-def _load(source):
-    """The student's module (a .py path) or a module name, loaded in this worker."""
+def load_module(source):
+    """A student's module (a .py path) or a module name, loaded in this process."""
     if str(source).endswith('.py'):
         path = Path(source).resolve()
         spec = importlib.util.spec_from_file_location(f'_ring_{path.stem}', path)
@@ -241,7 +239,7 @@ def ring_check_worker(rank, world_size, run):
     events, sent = [], []
     restore = _recording(events, sent)
     try:
-        module = _load(run['source'])
+        module = load_module(run['source'])
         module.block_attention = _noting_computes(module.block_attention, events)
         results = []
         for letter, _, t, causal, layout, scale in run['cases']:
@@ -284,7 +282,7 @@ def _failure_line(error):
         return tr('FAIL: the ranks waited for each other for more than {s} s and were stopped: a deadlock. The '
                   'likely cause: every rank receives (or sends with a blocking call) before any rank sends, or a '
                   'rank skips a transfer the others make. Start every send and receive of a step together, with '
-                  'batch_isend_irecv, on every rank.', s=HANG_SECONDS)
+                  'batch_isend_irecv, on every rank.', s=RING_HANG_SECONDS)
     if 'second time' in text:
         return tr('FAIL: wait() was called a second time on a finished transfer (over gloo it never returns; the '
                   'check refused it). Wait for each transfer once.')
@@ -367,17 +365,18 @@ def check_ring_attention(source='comp_perf.s12_ring', hang_seconds=None):
     the passes without the mask, every transfer has a block computed between the moment it
     starts (batch_isend_irecv) and its wait. A second wait() on a finished transfer is refused
     with a message (over gloo it would hang), and a ring that waits longer than hang_seconds
-    (default HANG_SECONDS) is stopped and called a deadlock, with its likely cause. Prints one
+    (default RING_HANG_SECONDS) is stopped and called a deadlock, with its likely cause. Prints one
     line per part and a Result; returns True when all pass.
     """
-    hang_seconds = hang_seconds or HANG_SECONDS
+    hang_seconds = hang_seconds or RING_HANG_SECONDS
     if str(source).endswith('.py'):
         if not Path(source).exists():
             print(tr('fail: there is no file {path} (run the %%writefile cell first)', path=source))
             return False
         source = str(Path(source).resolve())   # the workers import it by its full path
-    print(tr('Check of ring_attention from {source}: gloo processes, batch {b}, head size {d}',
-             source=Path(source).name if str(source).endswith('.py') else source, b=BATCH[0], d=D))
+    print(tr('Check of ring_attention from {source}: gloo processes, batch {b}, head size {d}; a transfer that '
+             'waits more than {s} s is called a deadlock', source=Path(source).name if str(source).endswith('.py')
+             else source, b=BATCH[0], d=D, s=hang_seconds))
     try:
         results = _run_groups(source, CASES, hang_seconds)
     except Exception as error:   # a deadlock, a double wait, an error in the student's code
@@ -443,3 +442,14 @@ def _case_inputs_sized(t, heads, d):
         torch.manual_seed(0)
         return [torch.randn(heads, t, d) for _ in range(3)]
 
+
+
+def show_ring_solution():
+    """The reference's four gap functions, folded as a solution is."""
+    from comp_perf.s06_bucketed import show_solution
+    show_solution(*GAPS)
+
+
+def imbalance(values):
+    """The largest over the mean: 1 when every rank has the same work, P when one rank has all of it."""
+    return max(values) / (sum(values) / len(values))

@@ -4,7 +4,7 @@ The rule: a 90-minute lecture holds at most 75 minutes of material in presenting
 (course_load's reading estimate from the stored English notebook, run time included, times
 lecture_plan.PRESENTING), leaving 10 for its five-question quiz and 5 for discussion; what
 does not fit is read before class, at most 30 minutes a lecture. Every `##` section of 00–10 before its
-Summary is in exactly one of the eleven lectures; in the six-lecture cut, in exactly one
+Summary is in exactly one of the twelve lectures; in the six-lecture cut, in exactly one
 lecture or in the cut's list of dropped sections. Every heading a part names exists in
 both languages at the same cell, and every homework exercise exists. Each check is shown
 failing on a planted bug.
@@ -36,7 +36,7 @@ def stored_zh():
 # each phrase below must be there, with the number that lecture_plan's constant holds. (The
 # constants alone cannot be tested against themselves: MATERIAL_MINUTES is their difference.)
 RULE_IN_THE_GUIDE = {
-    'en': [(r'eleven lectures of (\d+) minutes', 'LECTURE_MINUTES'),
+    'en': [(r'twelve lectures of (\d+) minutes', 'LECTURE_MINUTES'),
            (r'at most (\d+) minutes of material', 'MATERIAL_MINUTES'),
            (r'leaves (\d+) minutes for the five-question quiz', 'QUIZ_MINUTES'),
            (r'and (\d+) for questions and discussion', 'DISCUSSION_MINUTES'),
@@ -84,15 +84,15 @@ def test_a_rule_the_guide_does_not_state_is_found():
     assert found.startswith('en: the guide no longer says') and 'for questions and discussion' in found
 
 
-def test_eleven_lectures_cover_every_section_once_and_fit(stored_en, stored_zh):
-    assert [lecture.number for lecture in lp.LECTURES] == list(range(1, 12))
+def test_twelve_lectures_cover_every_section_once_and_fit(stored_en, stored_zh):
+    assert [lecture.number for lecture in lp.LECTURES] == list(range(1, 13))
     assert lp.plan_problems(stored_en, stored_zh, lp.LECTURES) == []
 
 
 def test_the_six_lecture_cut_covers_or_drops_every_section_once_and_fits(stored_en, stored_zh):
     assert [lecture.number for lecture in lp.SIX_LECTURES] == list(range(1, 7))
     merged = sorted({n for lecture in lp.SIX_LECTURES for n in lecture.merges})
-    assert merged == list(range(1, 10)), 'the cut says which of the eleven lectures each of its lectures merges'
+    assert merged == list(range(1, 10)), 'the cut says which of the twelve lectures each of its lectures merges'
     # lectures 10 and 11 are merged into none: the cut drops every section of 10 and 11 (left for reading)
     for lecture in lp.LECTURES[9:]:
         stem = lecture.parts[0].stem
@@ -206,8 +206,8 @@ def test_homework_outside_its_band_is_found(stored_en, stored_zh):
 
 def test_every_build_and_its_exercise_is_homework_in_both_plans(stored_en):
     builds = {stem[:2] for stem, cells in stored_en.items() if lp.has_build(cells)}
-    assert builds == {'06', '08', '09', '10', '11'}   # 06's and 08's builds are `###` parts of a section
-    graded = {('06', lp.BUILD), ('08', 5), ('09', lp.BUILD), ('10', lp.BUILD), ('11', lp.BUILD)}
+    assert builds == {'06', '08', '09', '10', '11', '12'}   # 06's and 08's builds are `###` parts of a section
+    graded = {('06', lp.BUILD), ('08', 5), ('09', lp.BUILD), ('10', lp.BUILD), ('11', lp.BUILD), ('12', lp.BUILD)}
     assert graded <= {item for lecture in lp.LECTURES for item in lecture.homework}
     # The cut drops sections 10 and 11 whole, so their builds are not graded there: a student would first read
     # about 33 min of 10's parts 1–3 (not counted in the homework band) and then build for 45, beside
@@ -215,8 +215,8 @@ def test_every_build_and_its_exercise_is_homework_in_both_plans(stored_en):
     # offers it as reading with an optional build. Every build of a section the cut teaches is homework.
     taught = {stem[:2] for stem, cells in stored_en.items()
               if {n for _, n in lp.taught_sections(cells)} - {n for s, n in lp.CUT_DROPS if s == stem}}
-    assert not {'10', '11'} & taught
-    dropped = {('10', lp.BUILD), ('11', lp.BUILD)}
+    assert not {'10', '11', '12'} & taught
+    dropped = {('10', lp.BUILD), ('11', lp.BUILD), ('12', lp.BUILD)}
     assert {item for item in graded if item[0] in taught} == graded - dropped
     assert graded - dropped <= {item for lecture in lp.SIX_LECTURES for item in lecture.homework}
     for plan in (lp.LECTURES, lp.SIX_LECTURES):   # 06's exercise 6 tests the built piece's bucket sizes

@@ -2,19 +2,18 @@
 and fails each planted mistake at the part it breaks; a deadlocked ring ends within its stated time with
 its likely cause, a second wait() on a finished transfer is refused (over gloo it would hang), a gap still
 raising reads "not built yet"; the zig-zag split balances the causal work that the contiguous one does not.
-The checks run under common.launch: the procs tier.
+The checks run under common.launch: the procs tier (all but the missing file's).
 """
 import re
 import time
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import planted_file
 
 from comp_perf import s12_ring
 
-pytestmark = pytest.mark.procs
+procs = pytest.mark.procs
 
 REFERENCE = Path(s12_ring.__file__).read_text(encoding='utf-8')
 
@@ -23,6 +22,7 @@ def verdicts(out):
     return dict((letter, verdict) for verdict, letter in re.findall(r'^(pass|FAIL) \((\w)\)', out, re.M))
 
 
+@procs
 def test_the_reference_passes_every_part(capsys):
     assert s12_ring.check_ring_attention()
     out = capsys.readouterr().out
@@ -35,7 +35,8 @@ PLANTED = {
                                 'new = torch.log(torch.exp(lse) + torch.exp(block_lse))')], {'d'}),
     # the causal mask compares positions inside the block, not the global ones: wrong for a block from another rank
     'local_positions': ([("hidden = hidden | (k_pos[None, :] > q_pos[:, None])",
-                          "hidden = hidden | (torch.arange(k.shape[-2])[None, :] > torch.arange(q.shape[-2])[:, None])")],
+                          "hidden = hidden | (torch.arange(k.shape[-2])[None, :] > "
+                          "torch.arange(q.shape[-2])[:, None])")],
                         {'b', 'c', 'd', 'e'}),
     # the last block that arrives is never computed
     'last_block_missing': ([('        rows, cols = visible_part(q_pos, pos_b, causal)\n        if rows.any():',
@@ -49,6 +50,7 @@ PLANTED = {
 }
 
 
+@procs
 @pytest.mark.parametrize('name', PLANTED)
 def test_each_planted_mistake_fails_its_parts(name, tmp_path, capsys):
     changes, failing = PLANTED[name]
@@ -58,6 +60,7 @@ def test_each_planted_mistake_fails_its_parts(name, tmp_path, capsys):
     assert 'Ring attention: fail' in out
 
 
+@procs
 def test_a_second_wait_is_refused_with_a_message_not_a_hang(tmp_path, capsys):
     path = planted_file(REFERENCE, tmp_path, 'double_wait',
                         ('            block = incoming\n', '            block = incoming\n'
@@ -68,6 +71,7 @@ def test_a_second_wait_is_refused_with_a_message_not_a_hang(tmp_path, capsys):
     assert 'second time' in out and time.monotonic() - start < 30, out
 
 
+@procs
 def test_a_deadlocked_ring_ends_within_its_time_and_names_the_cause(tmp_path, capsys):
     # every rank receives before it sends: nobody ever sends
     path = planted_file(REFERENCE, tmp_path, 'receive_first', (
@@ -80,6 +84,7 @@ def test_a_deadlocked_ring_ends_within_its_time_and_names_the_cause(tmp_path, ca
     assert 'deadlock' in out and 'receives' in out and time.monotonic() - start < 40, out
 
 
+@procs
 def test_a_gap_still_raising_reads_not_built_yet(tmp_path, capsys):
     path = planted_file(REFERENCE, tmp_path, 'gap', ('    new = torch.logaddexp(lse, block_lse)\n',
                                                      "    raise NotImplementedError('gap 2: merge')\n"))

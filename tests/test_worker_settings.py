@@ -24,6 +24,9 @@ WORKER_RUNS = {
     'fsdp_timeline': dict(widths=[8, 8], batch_size=8, steps=1),
     'zero1_check_worker': dict(source='comp_perf.s08_zero_by_hand', widths=[4, 4], batch_size=4, steps=1,
                                lr=0.1, optimizers=('Adam',)),
+    'ring_check_worker': dict(source='comp_perf.s12_ring', cases=()),
+    'ring_run': dict(t=8, heads=1, d=4, causal=True, layout='contiguous', repeats=1),
+    'expert_parallel_check': dict(d=4, hidden=8, experts=2, top_k=1, capacity_factor=1.0, tokens=4, seed=0),
 }
 # Workers whose run is a list of runs (ps_in_turn) or an optional last argument (bucketed_check).
 OTHER_SHAPES = {'ps_in_turn', 'bucketed_check'}
