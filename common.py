@@ -95,8 +95,9 @@ from comp_perf.s10_flash_attention import (flash_attention, flash_attention_back
 from comp_perf.s11_triton import (load_triton, skipped, traffic_of, eager_traffic, check_triton_flash,
                                   load_kernel_file, kernel_attention)
 
-# 12 Long context and experts — ring attention and its check, a mixture of experts over all-to-all
+# 12 Long context and experts — ring attention, its check, experts over all-to-all, five splits
 from comp_perf.s12_ring import (pad_block, visible_part, check_ring_attention, show_ring_solution,
                                 ring_run, ring_bytes_per_rank, imbalance)
 from comp_perf.s12_experts import (MixtureOfExperts, tokens_per_expert, check_expert_parallel,
                                    expert_parallel_check, EXPERT_CHECK_RUN)
+from comp_perf.s12_dimensions import dimensions_measured, DIMENSIONS_RUN

@@ -46,16 +46,14 @@ def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_
     cuda:<rank>, and it must put every tensor it communicates there. launch
     never picks NCCL by itself, however many GPUs the machine has.
 
-    fn must live in an importable module (a .py file), not in a notebook.
-    Returns the list of return values by rank. A worker's exception
-    is re-raised here with its traceback; a worker that dies without a word
-    is named; a hang raises TimeoutError after `timeout` seconds. No worker
-    or port outlives the call (on Linux their fork server lives on, unused). `threads` is each worker's PyTorch thread
-    count (default: the cores shared out). `op_timeout` (seconds) bounds every
-    single send, receive or collective inside the workers (torch's default
-    is 30 minutes); `names` labels the ranks in error messages, e.g. 'worker 1'.
-    Workers are daemon processes, so they cannot start DataLoader worker
-    processes of their own (num_workers must stay 0 inside fn).
+    fn must live in an importable module (a .py file), not in a notebook. Returns the list of
+    return values by rank. A worker's exception is re-raised here with its traceback; a worker
+    that dies without a word is named; a hang raises TimeoutError after `timeout` seconds. No
+    worker or port outlives the call (on Linux their fork server lives on, unused). `threads` is
+    each worker's PyTorch thread count (default: the cores shared out). `op_timeout` (seconds)
+    bounds every single send, receive or collective inside the workers (torch's default is 30
+    minutes); `names` labels the ranks in error messages, e.g. 'worker 1'. Workers are daemons,
+    so they cannot start DataLoader worker processes of their own (num_workers = 0 inside fn).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f'world_size must be a whole number >= 1, got {world_size!r}.')
@@ -82,8 +80,10 @@ def launch(fn, world_size, *args, backend='gloo', timeout=120, threads=None, op_
         return _run_group(group, timeout, names)
 
 
-# Nothing here may ask CUDA anything (machine.py does): a child forked after that cannot use CUDA.
-FORK_SERVER_PRELOAD = ('torch', 'torch.distributed')
+# Nothing here may ask CUDA anything (a child forked after that cannot use CUDA; a test checks). DTensor,
+# FSDP and pipelining cost each worker 2-3 s to import: imported here once, they cost a launch nothing.
+FORK_SERVER_PRELOAD = ('torch', 'torch.distributed', 'torch.distributed.tensor', 'torch.distributed.fsdp',
+                       'torch.distributed.pipelining')
 
 
 def _context():

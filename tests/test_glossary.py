@@ -1,4 +1,5 @@
 """The glossary (notebooks/glossary.md): every term is used, and used consistently in both languages."""
+import functools
 import re
 
 import pytest
@@ -22,10 +23,11 @@ def english(forms):
     return re.compile(r'\b(' + '|'.join(re.escape(f) for f in forms) + r')(s|es)?\b', re.I)
 
 
+@functools.cache
 def markdown_pairs(name):
-    for a, b in zip(load(EN / name).cells, load(ZH / name).cells):
-        if a.cell_type == 'markdown':
-            yield visible_text(a.source), visible_text(b.source)
+    """(English, Chinese) visible text of each markdown cell, read once per notebook (every term reads them)."""
+    return tuple((visible_text(a.source), visible_text(b.source))
+                 for a, b in zip(load(EN / name).cells, load(ZH / name).cells) if a.cell_type == 'markdown')
 
 
 def test_glossary_has_terms():

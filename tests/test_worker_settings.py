@@ -26,6 +26,7 @@ WORKER_RUNS = {
                                lr=0.1, optimizers=('Adam',)),
     'ring_check_worker': dict(source='comp_perf.s12_ring', cases=()),
     'ring_run': dict(t=8, heads=1, d=4, causal=True, layout='contiguous', repeats=1),
+    'dimensions_measured': dict(sharded={}, tensor={}, pipeline={}),
     'expert_parallel_check': dict(d=4, hidden=8, experts=2, top_k=1, capacity_factor=1.0, tokens=4, seed=0),
 }
 # Workers whose run is a list of runs (ps_in_turn) or an optional last argument (bucketed_check).
