@@ -87,3 +87,30 @@ def test_the_timing_report_sums_seconds_per_file_and_per_tier():
     by_file = timing_report.seconds_by(reports, lambda r: r.nodeid.split('::')[0])
     assert by_file == {'tests/test_a.py': 2.0, 'notebooks/en/02.ipynb': 2.0}
     assert timing_report.seconds_by(reports, timing_report.tier_of) == {'procs': 1.5, 'quick': 0.5, 'notebooks': 2.0}
+
+
+def test_each_xdist_worker_is_kept_to_a_core_of_its_own_with_one_torch_thread(monkeypatch):
+    """Under `pytest -n 2` worker gwK takes the K-th usable core (wrapping round) and one torch
+    thread, so two workers' kernels never share a core; outside xdist nothing is touched."""
+    import conftest
+    import torch
+    pinned, threads = [], []
+    monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {5, 0, 3}, raising=False)
+    monkeypatch.setattr(os, 'sched_setaffinity', lambda pid, cores: pinned.append(set(cores)), raising=False)
+    monkeypatch.setattr(torch, 'set_num_threads', threads.append)
+    conftest.keep_worker_to_one_core(None)
+    assert pinned == [] and threads == []
+    for worker in ('gw0', 'gw1', 'gw2', 'gw3'):
+        conftest.keep_worker_to_one_core(worker)
+    assert pinned == [{0}, {3}, {5}, {0}]
+    assert threads == [1, 1, 1, 1]
+
+
+def test_the_test_command_keeps_each_file_on_one_worker():
+    """nbval runs a notebook's cells in order in one kernel: `./course test` must hand out whole
+    files (--dist loadfile), and may ask for workers only where conftest can pin them."""
+    script = (ROOT / 'course').read_text(encoding='utf-8')
+    workers = script[script.index('test_workers() {'):script.index('\n}\n', script.index('test_workers() {'))]
+    assert '"-n 2 --dist loadfile"' in workers
+    assert 'sched_setaffinity' in workers and '>= 2' in workers
+    assert '$(test_workers) "$@"' in script   # before the user's arguments, so `-n 0` overrides
