@@ -84,12 +84,13 @@ from comp_perf.s09_training_step import (PHASES, wait_for_device, trace_spans, p
                                          self_time_share, calls_per_step, input_types, step_peak_bytes,
                                          debug_mode_cost, self_time_per_call,
                                          matmul_peak, datasheet_peak, print_rows, plot_payoff)
-from comp_perf.s09_faster_step import slow_step, check_faster_step, fast_step
+from comp_perf.s09_faster_step import (slow_step, show_slow_step, check_faster_step,
+                                       show_fast_step_solution)
 
 # 10 Attention and generation — the model, FlashAttention's tiles, graded
 from comp_perf.s10_model import Block, GPT
-from comp_perf.s10_flash_attention import (flash_attention, flash_attention_backward, check_flash_attention,
-                                           check_flash_backward, peak_allocated, show_flash_solution)
+from comp_perf.s10_flash_checks import check_flash_attention, check_flash_backward, peak_allocated
+from comp_perf.s10_flash_attention import flash_attention, flash_attention_backward, show_flash_solution
 
 # 11 Writing a kernel — Triton here, bytes counted, the kernel build and its check
 from comp_perf.s11_triton import (load_triton, skipped, traffic_of, eager_traffic, check_triton_flash,

@@ -34,14 +34,14 @@ def plot_timeline(spans, lanes=None, ax=None, title=None, unit='ms'):
     return ax
 
 
-def show_source(obj):
-    """Show the source code of a function or class of the course's package, highlighted in a notebook.
+def show_source(*objs):
+    """Show the source code of functions or classes of the course's package, highlighted in a notebook.
 
     For code a section teaches that must live in an importable file (a
-    worker process's entry point). A first comment line names the file.
+    worker process's entry point). A first comment line names the file (the first object's).
     """
-    path = Path(inspect.getsourcefile(obj))
-    code = f'# {path.parent.name}/{path.name}\n' + inspect.getsource(obj)
+    path = Path(inspect.getsourcefile(objs[0]))
+    code = f'# {path.parent.name}/{path.name}\n' + '\n\n'.join(inspect.getsource(obj) for obj in objs)
     try:
         from IPython import get_ipython
         from IPython.display import Markdown, display

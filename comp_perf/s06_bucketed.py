@@ -130,6 +130,9 @@ def show_solution(*objs):
 CHECK_RUN = dict(width=8, batch_size=16, bucket_mb=0.1, steps=2, lr=0.1)
 TOLERANCE = 1e-5   # largest difference from DDP, relative to the largest gradient (or parameter)
 PARTS = ('same_start', 'grads', 'accumulation', 'unused', 'overlap', 'buckets')
+# The skeleton's gaps (number, method) whose work each part checks, for the line that says where to look.
+PART_GAPS = {'same_start': [(2, '__init__')], 'grads': [(4, 'send'), (5, 'finish')], 'accumulation': [(5, 'finish')],
+             'unused': [(4, 'send')], 'overlap': [(3, 'gradient_ready'), (4, 'send')], 'buckets': [(1, 'make_buckets')]}
 
 
 def _gap(mine, theirs):
@@ -391,6 +394,10 @@ def check_bucketed_allreduce(module='my_buckets', folder=None, run=None, procs=2
         print('  ' + line)
     names = {'same_start': tr('the start'), 'grads': tr('the gradients'), 'accumulation': tr('the accumulation'),
              'unused': tr('the unused layer'), 'overlap': tr('the overlap'), 'buckets': tr('the buckets')}
-    failed = [names[part] for part, (ok, _) in parts.items() if not ok]
-    print(tr('Result: pass') if not failed else tr('Result: fail ({parts})', parts=', '.join(failed)))
+    failed = [part for part, (ok, _) in parts.items() if not ok]
+    print(tr('Result: pass') if not failed else
+          tr('Result: fail ({parts})', parts=', '.join(names[part] for part in failed)))
+    for part in failed:
+        print('  ' + tr('{part}: the work of {gaps}', part=names[part], gaps=tr(' and ').join(
+            tr('gap {n} ({name})', n=n, name=name) for n, name in PART_GAPS[part])))
     return Case('fail' if failed else 'pass')

@@ -39,8 +39,14 @@ def calls_per_step(prof, name, steps):
 
 
 def top_operator(prof, key=SELF_CPU):
-    """(name, share of the self time) of the operator that took the most self time (`key`)."""
-    top = operator_rows(prof, key)[0]
+    """(name, share of the self time) of the ATen operator that took the most self time (`key`).
+
+    Only aten:: rows compete: the profiler also books self time to the autograd engine's wrapper
+    rows (autograd::engine::evaluate_function: ...), which in a small step can outweigh every
+    operator while naming none. The share is of all rows' self time, wrappers included.
+    """
+    rows = operator_rows(prof, key)   # by device time (GPU) only kernels have any: then the top row
+    top = next((row for row in rows if row.key.startswith('aten::') and getattr(row, key) > 0), rows[0])
     return top.key, self_time_share(prof, top.key, key)
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from comp_perf.s10_flash_attention import check_attention_inputs
+from comp_perf.s10_flash_checks import check_attention_inputs
 
 
 @triton.jit

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from comp_perf.language import tr
-from comp_perf.s10_flash_attention import (check_attention_inputs, flash_attention_backward, forward_parts,
-                                           graded_check, lengths_part, load_solution)
+from comp_perf.s10_flash_attention import flash_attention_backward
+from comp_perf.s10_flash_checks import check_attention_inputs, forward_parts, graded_check, lengths_part, load_solution
 
 INTERPRET = 'TRITON_INTERPRET'
 REFERENCE = Path(__file__).with_name('s11_flash_kernel.py')

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from comp_perf.language import tr
 from comp_perf.processes import launch, run_keys
-from comp_perf.s10_flash_attention import LARGE, TOL, TOL_LARGE, plain_attention
+from comp_perf.s10_flash_checks import LARGE, TOL, TOL_LARGE, plain_attention
 
 # ----- the layout of the sequence over the ranks -----
 

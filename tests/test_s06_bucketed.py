@@ -168,6 +168,14 @@ def filled_skeleton(gaps=FILLED):
 
 # Without processes: the buckets and the verdict's parts
 
+def test_each_part_points_at_gaps_the_skeleton_has():
+    skeleton = notebook_skeleton()
+    assert set(s06_bucketed.PART_GAPS) == set(s06_bucketed.PARTS)
+    for part, gaps in s06_bucketed.PART_GAPS.items():
+        for n, name in gaps:
+            assert f"raise NotImplementedError('gap {n}: {name}')" in skeleton, (part, n, name)
+
+
 def test_make_buckets_fills_in_reverse_order_within_the_size():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 300, 20, 30, 40)]   # float32: 4 bytes each
     buckets = common.make_buckets(params, bucket_mb=240 / 2**20)                      # 240 bytes
@@ -303,7 +311,8 @@ def test_the_planted_bugs_say_why(planted):
 def test_a_planted_bug_in_three_processes_prints_its_part(tmp_path, capsys):
     (tmp_path / 'unused_ignored.py').write_text(PLANTED['unused_ignored'])
     assert common.check_bucketed_allreduce('unused_ignored', folder=tmp_path, procs=3) == 'fail'
-    assert capsys.readouterr().out.rstrip().endswith('Result: fail (the unused layer)')
+    out = capsys.readouterr().out.rstrip()
+    assert out.endswith('Result: fail (the unused layer)\n  the unused layer: the work of gap 4 (send)'), out
 
 
 # Accumulation first, in the middle and last: micro-batches per step

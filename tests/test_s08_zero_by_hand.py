@@ -87,6 +87,7 @@ def test_a_wrong_shard_start_fails_a(procs, tmp_path, capsys):
                   'start = self.rank * (sum(p.numel() for p in params) // self.world)')
     passed, out = check(bug, procs, capsys)
     assert not passed and 'FAIL (a) Adam' in out and 'FAIL (a) SGD' in out, out
+    assert 'gap 1 (shard_of) does not give' in out and 'gap 2 (' not in out and 'gap 3 (' not in out, out
 
 
 @LOGIC
@@ -95,6 +96,7 @@ def test_a_shard_that_is_a_view_fails_c(procs, tmp_path, capsys):
     bug = planted(tmp_path, 'view', 'flat[start:start + size].clone()', 'flat[start:start + size]')
     passed, out = check(bug, procs, capsys)
     assert not passed and out.count('pass (a)') == 2 and 'FAIL (c)' in out, out
+    assert 'gaps 1 to 3 each pass a small test of their own' in out, out
     ratios = [float(r) for r in re.search(r'\(c\) shard memory per rank: ([\d., ]+) of', out).group(1).split(', ')]
     assert all(r > 0.9 for r in ratios)
 
@@ -107,6 +109,7 @@ def test_gradients_summed_not_averaged_fail_a_with_sgd_only(procs, tmp_path, cap
     assert not passed and 'FAIL (a) SGD' in out and 'pass (b)' in out and 'pass (c)' in out, out
     adam, sgd = (float(re.search(rf'\(a\) {name}: .* by (\S+) of', out).group(1)) for name in ('Adam', 'SGD'))
     assert sgd > 1000 * adam and 'pass (a) Adam' in out, out
+    assert 'gap 2 (average_shard) does not give' in out and 'gap 1 (' not in out and 'gap 3 (' not in out, out
 
 
 @PROCS
@@ -117,6 +120,7 @@ def test_no_all_gather_fails_a(procs, tmp_path, capsys):
                   '        whole[self.rank * shard.numel():][:shard.numel()] = shard.detach()')
     passed, out = check(bug, procs, capsys)
     assert not passed and 'FAIL (a) Adam' in out and 'FAIL (a) SGD' in out, out
+    assert 'gap 3 (gather) does not give' in out and 'gap 1 (' not in out and 'gap 2 (' not in out, out
 
 
 @LOGIC

@@ -11,8 +11,27 @@ import torch
 from comp_perf import s09_faster_step
 from comp_perf.s09_faster_step import check_faster_step, fast_step, slow_setup, slow_step
 
-HEADER = 'import torch\nfrom torch.nn import functional as F\n\nfrom comp_perf.s09_faster_step import *\n'
-SLOW = inspect.getsource(slow_step)
+# What a student's file may use of the module; not its reference gap functions, which the check would count as theirs
+HEADER = ('import torch\nfrom torch.nn import functional as F\n\nfrom comp_perf.s09_faster_step import '
+          '(MAX_NORM, clip_row_by_row, loss_sample_by_sample, slow_setup, slow_step, standardise_each)\n')
+SLOW = '\n\n'.join(inspect.getsource(f) for f in (s09_faster_step.standardise_each, s09_faster_step.clip_row_by_row,
+                                                s09_faster_step.loss_sample_by_sample, slow_step))
+# The skeleton's three gaps, filled as a student who got them right fills them.
+GAPS = {'standardise': 'return (x - x.mean(dim=1, keepdim=True)) / (x.std(dim=1, keepdim=True) + 1e-5)',
+        'batch_loss': 'return F.cross_entropy(model(x), y)',
+        'clip_gradients': 'torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)'}
+SIGNATURES = {'standardise': '(x)', 'batch_loss': '(model, x, y)', 'clip_gradients': '(model)'}
+SKELETON_STEP = '''
+def fast_step(model, optimizer, batch):
+    x, y = batch
+    x = standardise(x)
+    optimizer.zero_grad()
+    loss = batch_loss(model, x, y)
+    loss.backward()
+    clip_gradients(model)
+    optimizer.step()
+    return loss.item()
+'''
 # The check times the steps on a machine that may be busy: a test whose timing case did not show up runs
 # the check again, TRIES times at most, and its assertions hold the last run.
 TRIES = 3
@@ -35,8 +54,16 @@ def student(tmp_path, name, body):
     return path
 
 
+def skeleton(tmp_path, name, step=SKELETON_STEP, **bodies):
+    """The skeleton filled: each gap as GAPS has it unless `bodies` gives its body (code, indented by this)."""
+    def body(gap):
+        return textwrap.indent(textwrap.dedent(bodies.get(gap, GAPS[gap])), '    ')
+    gaps = ''.join(f'def {gap}{SIGNATURES[gap]}:\n{body(gap)}\n\n\n' for gap in GAPS)
+    return student(tmp_path, name, gaps + step)
+
+
 def planted(tmp_path, name, old, new):
-    """A file whose fast_step is slow_step with `old` replaced by `new` (which must be there)."""
+    """A file whose fast_step is slow_step (its parts included) with `old` replaced by `new` (which must be there)."""
     assert old in SLOW, f'slow_step no longer contains {old!r}'
     return student(tmp_path, name, SLOW.replace(old, new).replace('def slow_step(', 'def fast_step('))
 
@@ -72,21 +99,21 @@ def test_the_set_up_is_the_same_each_time_and_leaves_the_random_state_alone():
 def test_the_reference_passes_its_check(capsys):
     ok, out = checked(capsys, 'comp_perf.s09_faster_step', 'faster step: pass')
     assert ok, out
-    assert 'pass (a) same result' in out and 'pass (b) faster: your step is' in out
+    assert 'pass (a) same result' in out and 'pass (d) faster: your step is' in out
     assert out.rstrip().endswith('faster step: pass')
 
 
 @pytest.mark.parametrize('median, low, high, case', [
-    (8.0, 6.0, 9.0, 'pass (b)'), (2.5, 0.9, 3.0, 'within the noise'), (1.0, 0.95, 1.05, 'within the noise'),
+    (8.0, 6.0, 9.0, 'pass (d)'), (2.5, 0.9, 3.0, 'within the noise'), (1.0, 0.95, 1.05, 'within the noise'),
     (0.5, 0.4, 0.6, 'slower than the slow one'), (1.4, 1.3, 1.5, 'but below the 2× needed')])
 def test_the_speed_line_names_each_case(median, low, high, case):
     passed, line = s09_faster_step._speed_line(median, low, high, need=2.0)
-    assert case in line and passed == (case == 'pass (b)')
+    assert case in line and passed == (case == 'pass (d)')
 
 
 def test_a_step_that_sums_the_losses_fails_the_same_result_part(tmp_path, capsys):
     # the sum is 128 times the mean; the clipping then hides it from the parameters, not from the loss
-    bug = planted(tmp_path, 'summed', 'loss = total / len(y)', 'loss = total')
+    bug = planted(tmp_path, 'summed', 'return total / len(y)', 'return total')
     assert not check_faster_step(str(bug), rounds=3)   # few rounds: only part (a) matters here
     out = capsys.readouterr().out
     assert 'FAIL (a) same result' in out and out.rstrip().endswith('faster step: fail')
@@ -105,7 +132,7 @@ def test_a_step_without_the_clipping_fails_the_same_result_part(tmp_path, capsys
         ''')
     assert not check_faster_step(str(bug), rounds=5)
     out = capsys.readouterr().out
-    assert 'FAIL (a) same result' in out and 'pass (b)' in out
+    assert 'FAIL (a) same result' in out and 'pass (d)' in out
 
 
 def test_the_slow_step_itself_is_not_faster(tmp_path, capsys):
@@ -113,7 +140,7 @@ def test_the_slow_step_itself_is_not_faster(tmp_path, capsys):
     bug = student(tmp_path, 'same', 'fast_step = slow_step\n')
     assert not check_faster_step(str(bug), rounds=5)
     out = capsys.readouterr().out
-    assert 'pass (a) same result' in out and 'FAIL (b) faster' in out
+    assert 'pass (a) same result' in out and 'FAIL (d) faster' in out
 
 
 def test_a_step_fast_only_now_and_then_is_within_the_noise(tmp_path, capsys):
@@ -129,11 +156,11 @@ def test_a_step_fast_only_now_and_then_is_within_the_noise(tmp_path, capsys):
             slow_step(*slow_setup())
             return slow_step(model, optimizer, batch)
         ''').resolve()
-    bug.write_text(bug.read_text().replace('import *', 'import *\nfrom comp_perf.s09_faster_step import '
-                                           'fast_step as fast_step_reference'))
+    bug.write_text(bug.read_text().replace('standardise_each)\n', 'standardise_each)\nfrom comp_perf.s09_faster_step '
+                                           'import fast_step as fast_step_reference\n'))
     ok, out = checked(capsys, bug, 'within the noise of this run')
     assert not ok and 'pass (a) same result' in out
-    assert 'FAIL (b) faster:' in out and 'is within the noise of this run' in out
+    assert 'FAIL (d) faster:' in out and 'is within the noise of this run' in out
 
 
 def test_fixing_only_the_cheap_mistakes_is_faster_but_below_2x(tmp_path, capsys):
@@ -154,7 +181,55 @@ def test_fixing_only_the_cheap_mistakes_is_faster_but_below_2x(tmp_path, capsys)
         ''')
     ok, out = checked(capsys, bug, 'but below the 2× needed')
     assert not ok and 'pass (a) same result' in out
-    assert 'FAIL (b) faster: your step is faster' in out and 'but below the 2× needed' in out
+    assert 'FAIL (d) faster: your step is faster' in out and 'but below the 2× needed' in out
+    assert 'FAIL (c) whole-tensor work: your file lacks some of' in out   # counted as a whole: the loop shows
+
+
+def test_a_step_that_standardises_the_callers_batch_in_place_fails(tmp_path, capsys):
+    # the review's planted answer: same losses to 1e-5 (a second standardisation changes little), but the
+    # caller's batch is standardised after every step
+    bug = skeleton(tmp_path, 'in_place', standardise='''
+        x.sub_(x.mean(dim=1, keepdim=True)).div_(x.std(dim=1, keepdim=True) + 1e-5)
+        return x''')
+    assert not check_faster_step(str(bug), rounds=3)
+    out = capsys.readouterr().out
+    assert 'FAIL (b) the batch: your step changed the batch it was given' in out
+    assert 'pass (c)' in out and out.rstrip().endswith('faster step: fail')
+
+
+def test_fixing_one_gap_of_three_fails_by_naming_the_other_two(tmp_path, capsys):
+    # the review's 3.74× answer: gap 2 done, the loops of gaps 1 and 3 kept; fast enough for (d) on
+    # some machines, so part (c) is what fails it, gap by gap
+    bug = skeleton(tmp_path, 'one_of_three', standardise='return standardise_each(x)',
+                   clip_gradients='clip_row_by_row(model)')
+    assert not check_faster_step(str(bug), rounds=3)
+    out = capsys.readouterr().out
+    assert 'pass (a) same result' in out
+    assert 'FAIL (c) whole-tensor work: gap 1 (standardise) still runs' in out
+    assert 'FAIL (c) whole-tensor work: gap 3 (clip_gradients) still runs' in out
+    assert 'gap 2 (batch_loss) still runs' not in out
+
+
+def test_a_wrong_gap_is_named_when_the_results_differ(tmp_path, capsys):
+    bug = skeleton(tmp_path, 'summed_gap', batch_loss='return F.cross_entropy(model(x), y, reduction="sum")')
+    assert not check_faster_step(str(bug), rounds=3)
+    out = capsys.readouterr().out
+    assert 'FAIL (a) same result' in out and 'gap 2 (batch_loss) computes something other' in out
+    assert 'gap 1 (standardise) computes' not in out and 'gap 3 (clip_gradients) computes' not in out
+
+
+def test_right_gaps_put_together_wrong_are_told_apart_from_a_wrong_gap(tmp_path, capsys):
+    # zero_grad forgotten: every gap is right, the gradients pile up from step to step
+    bug = skeleton(tmp_path, 'no_zero_grad', step=SKELETON_STEP.replace('    optimizer.zero_grad()\n', ''))
+    assert not check_faster_step(str(bug), rounds=3)
+    out = capsys.readouterr().out
+    assert 'FAIL (a) same result' in out and 'each gap computes what slow_step\'s part does' in out
+
+
+def test_the_skeleton_filled_right_passes(tmp_path, capsys):
+    ok, out = checked(capsys, skeleton(tmp_path, 'filled'), 'faster step: pass')
+    assert ok, out
+    assert 'pass (c) whole-tensor work: gaps 1, 2 and 3 run' in out
 
 
 def test_the_skeleton_is_not_built_yet(tmp_path, capsys):
@@ -198,6 +273,6 @@ def test_a_missing_file_says_so(tmp_path, capsys):
 def test_an_edited_file_is_read_again(tmp_path, capsys):
     path = student(tmp_path, 'edited', 'def fast_step(model, optimizer, batch):\n    raise NotImplementedError()\n')
     assert not check_faster_step(str(path))
-    path.write_text(HEADER.replace('import *', 'import fast_step'))
+    path.write_text(HEADER + 'from comp_perf.s09_faster_step import fast_step  # noqa: F401\n')
     ok, out = checked(capsys, path, 'faster step: pass')
     assert ok, out

@@ -254,8 +254,18 @@ def test_operator_shares_and_calls_come_from_the_profile():
     assert common.self_time_share(prof, name) == share
     assert common.self_time_share(prof, 'no such operator') == 0
     # on a GPU the page ranks by device time: the key is the caller's (here the call count, to see it used)
-    most_called = max(s09.operator_rows(prof), key=lambda row: row.count).key
+    most_called = max((row for row in s09.operator_rows(prof) if row.key.startswith('aten::')),
+                      key=lambda row: row.count).key
     assert common.top_operator(prof, 'count')[0] == most_called
+
+
+def test_the_largest_operator_is_an_aten_operator_even_where_a_wrapper_row_took_more():
+    from types import SimpleNamespace
+    rows = [SimpleNamespace(key='autograd::engine::evaluate_function: AddmmBackward0', self_cpu_time_total=90.0),
+            SimpleNamespace(key='aten::addmm', self_cpu_time_total=60.0),
+            SimpleNamespace(key='aten::view', self_cpu_time_total=50.0)]
+    prof = SimpleNamespace(key_averages=lambda: rows)
+    assert common.top_operator(prof) == ('aten::addmm', 0.3)
 
 
 def test_peaks_in_each_dtype_and_from_datasheets(monkeypatch):

@@ -12,6 +12,7 @@ from helpers import ROOT, planted_file
 
 import common
 from comp_perf import s10_flash_attention as s10
+from comp_perf import s10_flash_checks as checks
 
 REFERENCE = Path(s10.__file__).read_text(encoding='utf-8')
 FORWARD = 'comp_perf.s10_flash_attention'
@@ -35,7 +36,7 @@ def verdicts(out):
 
 def test_the_reference_passes_both_checks(capsys):
     passed, out = run(common.check_flash_attention, FORWARD, capsys)
-    assert passed and verdicts(out) == dict.fromkeys('abcdefg', 'pass'), out
+    assert passed and verdicts(out) == dict.fromkeys('abcdefgh', 'pass'), out
     assert out.rstrip().endswith('FlashAttention forward: pass')
     passed, out = run(common.check_flash_backward, FORWARD, capsys)
     assert passed and verdicts(out) == dict.fromkeys('abcd', 'pass'), out
@@ -62,6 +63,8 @@ def test_the_reference_passes_both_checks(capsys):
     ('out_like_q', [('out = q.new_empty(*q.shape[:-1], v.shape[-1])', 'out = torch.empty_like(q)')], 'g'),
     # (v) log l without m
     ('lse_without_max', [('(m + torch.log(row_sum)).squeeze(-1)', 'torch.log(row_sum).squeeze(-1)')], 'e'),
+    # (viii) every key block read and masked: the right numbers at the cost of no mask at all
+    ('no_skipping', [('return min(t_k, i + rows) if causal else t_k', 'return t_k')], 'h'),
 ])
 def test_a_planted_mistake_fails_its_part(name, changes, fails, tmp_path, capsys):
     passed, out = run(common.check_flash_attention, planted(tmp_path, name, *changes), capsys)
@@ -79,18 +82,18 @@ def test_no_max_passes_small_scores_and_gives_nan_at_large_ones(tmp_path, capsys
 def test_a_tile_local_mask_is_right_only_where_the_tiles_align(tmp_path):
     path = planted(tmp_path, 'local_mask', ('torch.arange(i, i + rows,', 'torch.arange(0, rows,'),
                    ('torch.arange(j, j + cols,', 'torch.arange(0, cols,'))
-    flash = s10.load_solution(path, 'flash_attention')
-    assert s10._forward_errors(flash, 128, 32, 32, True, 2)[0] < s10.TOL
-    assert s10._forward_errors(flash, 128, 32, 16, True, 2)[0] > 100 * s10.TOL
+    flash = checks.load_solution(path, 'flash_attention')
+    assert checks._forward_errors(flash, 128, 32, 32, True, 2)[0] < checks.TOL
+    assert checks._forward_errors(flash, 128, 32, 16, True, 2)[0] > 100 * checks.TOL
 
 
 def test_plain_attention_inside_passes_everything_but_memory(tmp_path, capsys):
     path = tmp_path / 'plain.py'
-    path.write_text('from comp_perf.s10_flash_attention import plain_attention\n\n\n'
+    path.write_text('from comp_perf.s10_flash_checks import plain_attention\n\n\n'
                     'def flash_attention(q, k, v, causal=False, block_q=32, block_k=32):\n'
                     '    return plain_attention(q, k, v, causal)\n')
     passed, out = run(common.check_flash_attention, str(path), capsys)
-    assert not passed and verdicts(out) == dict(dict.fromkeys('abcdeg', 'pass'), f='FAIL'), out
+    assert not passed and verdicts(out) == dict(dict.fromkeys('abcdeg', 'pass'), f='FAIL', h='FAIL'), out
     mine, plain = map(float, re.search(r'\(f\) .*: ([\d.]+) MiB, plain attention ([\d.]+) MiB', out).groups())
     assert mine == plain
 
@@ -109,13 +112,56 @@ def test_a_planted_backward_mistake_fails_its_part(name, old, new, fails, tmp_pa
     assert out.rstrip().endswith('FlashAttention backward: fail')
 
 
+def test_the_backward_check_names_the_wrong_gradient_alone(tmp_path, capsys):
+    # dk without its 1/sqrt(d): dq and dv stay right, and the line says which one is not
+    passed, out = run(common.check_flash_backward, planted(
+        tmp_path, 'dk_unscaled', ('ds.transpose(-2, -1) @ q_tile * scale', 'ds.transpose(-2, -1) @ q_tile')), capsys)
+    line = next(row for row in out.splitlines() if row.startswith('FAIL (a)'))
+    assert line.endswith(': dk wrong') and re.search(r'dq \d\.\de-\d\d, dk \d\.\de\+?-?\d\d, dv', line), line
+
+
+def test_the_skipping_is_counted_not_inferred_from_the_result(tmp_path, capsys):
+    # reading and masking every key block: every result part passes, only the FLOPs show it
+    passed, out = run(common.check_flash_attention, planted(
+        tmp_path, 'no_skipping', ('return min(t_k, i + rows) if causal else t_k', 'return t_k')), capsys)
+    assert verdicts(out) == dict(dict.fromkeys('abcdefg', 'pass'), h='FAIL'), out
+    assert re.search(r'FAIL \(h\) .* computed 100% of the matrix products', out), out
+    assert 'gap 1 (visible_keys) decides how many key blocks' in out
+
+
+def test_an_error_names_the_function_and_line_of_the_students_file(tmp_path, capsys):
+    path = planted(tmp_path, 'transposed_v', ('acc * correction + p @ v_tile', 'acc * correction + p @ v_tile.mT'))
+    passed, out = run(common.check_flash_attention, path, capsys)
+    assert not passed and out.startswith('fail: flash_attention raised RuntimeError'), out
+    number = REFERENCE.splitlines().index(next(row for row in REFERENCE.splitlines() if 'p @ v_tile' in row)) + 1
+    assert f'(in online_update, line {number} of transposed_v.py: return m_new' in out, out
+
+
+def test_a_logsumexp_of_the_wrong_shape_gets_a_hint_naming_gap_4(tmp_path, capsys):
+    # finish_rows keeps the last dimension: the skeleton's assignment into lse fails with an expand error
+    path = planted(tmp_path, 'lse_kept_dim', ('(m + torch.log(row_sum)).squeeze(-1)', 'm + torch.log(row_sum)'))
+    passed, out = run(common.check_flash_attention, path, capsys)
+    assert not passed and out.startswith('fail: flash_attention raised RuntimeError'), out
+    assert 'hint: gap 4 (finish_rows) returns a logsumexp of shape (2, 3, 4, 1)' in out and 'shape (2, 3, 4)' in out
+
+
+def test_a_logsumexp_of_the_wrong_shape_from_any_version_fails_part_e_by_its_shape(tmp_path, capsys):
+    path = tmp_path / 'lse_2d.py'
+    path.write_text('from comp_perf.s10_flash_checks import plain_attention\n\n\n'
+                    'def flash_attention(q, k, v, causal=False, block_q=32, block_k=32):\n'
+                    '    out, lse = plain_attention(q, k, v, causal)\n'
+                    '    return out, lse[..., None]\n')
+    passed, out = run(common.check_flash_attention, str(path), capsys)
+    assert verdicts(out)['e'] == 'FAIL' and 'needs one number per query row' in out, out
+
+
 @pytest.mark.parametrize('t_q, t_k', [(5, 9), (9, 5), (7, 7)])
 def test_the_causal_mask_is_aligned_as_sdpa_aligns_it(t_q, t_k):
     # top left: query i sees keys 0 .. i (torch.ones(t_q, t_k).tril()), whatever the lengths
     q, k, v = (torch.randn(2, t, 4 if name != 'v' else 3, dtype=torch.float64)
                for name, t in (('q', t_q), ('k', t_k), ('v', t_k)))
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert torch.allclose(s10.plain_attention(q, k, v, causal=True)[0], want, atol=1e-12)
+    assert torch.allclose(checks.plain_attention(q, k, v, causal=True)[0], want, atol=1e-12)
     out = s10.flash_attention(q.float(), k.float(), v.float(), causal=True, block_q=2, block_k=3)[0]
     assert out.shape == (2, t_q, 3) and torch.allclose(out.double(), want, atol=1e-5)
 
@@ -129,7 +175,7 @@ def test_the_causal_mask_is_aligned_as_sdpa_aligns_it(t_q, t_k):
     (torch.ones(1, 4, 8), torch.ones(1, 0, 8), torch.ones(1, 0, 8), ValueError, 'at least one'),
 ])
 def test_inputs_that_cannot_be_attended_get_a_clear_error(q, k, v, error, says):
-    for attend in (s10.flash_attention, s10.plain_attention):
+    for attend in (s10.flash_attention, checks.plain_attention):
         with pytest.raises(error, match=says):
             attend(q, k, v)
     with pytest.raises(error, match=says):
@@ -161,7 +207,7 @@ def test_peak_allocated_measures_known_allocations():
     assert common.peak_allocated(lambda: torch.empty(1000, 1000)) == 4_000_000
     assert common.peak_allocated(two_of_three) == 2 * 2**20
     q = torch.randn(2, 256, 16)   # plain attention holds two t × t float32 tensors at once, flash far less
-    assert common.peak_allocated(lambda: s10.plain_attention(q, q, q)) >= 2 * 2 * 256 * 256 * 4
+    assert common.peak_allocated(lambda: checks.plain_attention(q, q, q)) >= 2 * 2 * 256 * 256 * 4
     assert common.peak_allocated(lambda: common.flash_attention(q, q, q, block_q=32, block_k=32)) < 256 * 256 * 4
 
 
@@ -201,7 +247,7 @@ def test_the_skeleton_filled_with_the_hints_passes(tmp_path, capsys):
 
 def test_on_a_gpu_peak_allocated_reads_the_allocators_peak_between_two_synchronisations(monkeypatch):
     """Faked CUDA: the GPU branch waits for queued work before resetting and before reading the peak."""
-    from comp_perf import s10_flash_attention as s10
+    from comp_perf import s10_flash_checks as checks
     calls, state = [], {'allocated': 100, 'peak': 100}
     fake = dict(synchronize=lambda d=None: calls.append('sync'),
                 reset_peak_memory_stats=lambda d=None: (calls.append('reset'), state.update(peak=state['allocated'])),
@@ -213,5 +259,5 @@ def test_on_a_gpu_peak_allocated_reads_the_allocators_peak_between_two_synchroni
     def work():
         calls.append('work')
         state.update(peak=state['allocated'] + 4096)
-    assert s10.peak_allocated(work, device='cuda') == 4096
+    assert checks.peak_allocated(work, device='cuda') == 4096
     assert calls == ['sync', 'reset', 'work', 'sync', 'read']

@@ -1,5 +1,6 @@
 """Print where a run's time went: seconds per notebook (nbval, for instructors' timing tables),
-per test file and per tier (quick, procs, export, browser, notebooks), set-up and teardown included."""
+per test file, per pytest worker and per tier (quick, procs, export, browser, notebooks), set-up
+and teardown included."""
 from collections import defaultdict
 
 TIERS = ('notebooks', 'browser', 'export', 'procs')   # the first of these marks an item has is its tier
@@ -9,6 +10,12 @@ def tier_of(report):
     """The tier of a test report, from the marks tests/conftest.py gives each item; 'quick' if none."""
     keywords = getattr(report, 'keywords', {}) or {}
     return next((tier for tier in TIERS if tier in keywords), 'quick')
+
+
+def worker_of(report):
+    """The xdist worker (gw0, gw1, ...) that ran a report's test; 'main' in a run without workers."""
+    gateway = getattr(getattr(report, 'node', None), 'gateway', None)
+    return getattr(gateway, 'id', 'main')
 
 
 def seconds_by(reports, key):
@@ -33,6 +40,11 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep('-', 'seconds per test file, longest first')
         for name, total in sorted(files.items(), key=lambda item: -item[1]):
             terminalreporter.write_line(f'{total:7.1f}  {name}')
+        workers = seconds_by(reports, worker_of)
+        if len(workers) > 1:   # under xdist: how evenly the files were shared out
+            terminalreporter.write_sep('-', 'seconds per pytest worker')
+            for worker, total in sorted(workers.items()):
+                terminalreporter.write_line(f'{total:7.1f}  {worker}')
         terminalreporter.write_sep('-', 'seconds per tier')
         for tier, total in sorted(seconds_by(reports, tier_of).items(), key=lambda item: -item[1]):
             terminalreporter.write_line(f'{total:7.1f}  {tier}')
