@@ -86,6 +86,7 @@ from comp_perf.s09_training_step import (PHASES, wait_for_device, trace_spans, p
                                          matmul_peak, datasheet_peak, print_rows, plot_payoff)
 from comp_perf.s09_faster_step import (slow_step, show_slow_step, check_faster_step,
                                        show_fast_step_solution)
+from comp_perf.s09_mystery_step import write_mystery_step, check_mystery_step
 
 # 10 Attention and generation — the model, FlashAttention's tiles, graded
 from comp_perf.s10_model import Block, GPT

@@ -88,9 +88,10 @@ def pytest_collection_modifyitems(config, items):
         items[:] = longest_files_first(items)
 
 
-# Under xdist the workers take files in the order collected, the next one as they run out. The
-# last file started sets when the run ends, so the long ones (a notebook: 10-90 s) go first and
-# the quick tier's many short files fill both workers' ends. Run in one process, order is kept.
+# Under xdist the workers take files in the order collected (./course test turns off xdist's own
+# reordering, most tests first), the next one as they run out. The last file started sets when the
+# run ends, so the long ones (a notebook: 10-90 s) go first and the quick tier's many short files
+# fill both workers' ends. Run in one process, order is kept.
 TIER_ORDER = ('notebooks', 'export', 'browser', 'procs')
 
 
@@ -282,6 +283,16 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, 'is_available', lambda: n > 0)
         monkeypatch.setattr(torch.cuda, 'device_count', lambda: n)
     return fake
+
+
+@pytest.fixture
+def one_torch_thread():
+    """PyTorch on one thread while a test runs: on a busy 2-core machine, two threads that wait for each
+    other at every operation make a step of hundreds of small operations up to 10× slower, at random."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -5,8 +5,10 @@ Everything runs in this process: the quick tier.
 import inspect
 import textwrap
 
+import nbpair
 import pytest
 import torch
+from helpers import ROOT
 
 from comp_perf import s09_faster_step
 from comp_perf.s09_faster_step import check_faster_step, fast_step, slow_setup, slow_step
@@ -21,30 +23,13 @@ GAPS = {'standardise': 'return (x - x.mean(dim=1, keepdim=True)) / (x.std(dim=1,
         'batch_loss': 'return F.cross_entropy(model(x), y)',
         'clip_gradients': 'torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)'}
 SIGNATURES = {'standardise': '(x)', 'batch_loss': '(model, x, y)', 'clip_gradients': '(model)'}
-SKELETON_STEP = '''
-def fast_step(model, optimizer, batch):
-    x, y = batch
-    x = standardise(x)
-    optimizer.zero_grad()
-    loss = batch_loss(model, x, y)
-    loss.backward()
-    clip_gradients(model)
-    optimizer.step()
-    return loss.item()
-'''
+SKELETON_STEP = inspect.getsource(fast_step)   # the reference is written as the skeleton's fast_step is
 # The check times the steps on a machine that may be busy: a test whose timing case did not show up runs
 # the check again, TRIES times at most, and its assertions hold the last run.
 TRIES = 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """PyTorch on one thread while a test runs: on a busy 2-core machine, two threads that wait for each
-    other at every operation make the slow step's hundreds of small operations up to 10× slower, at random."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_torch_thread')   # tests/conftest.py
 
 
 def student(tmp_path, name, body):
@@ -226,8 +211,26 @@ def test_right_gaps_put_together_wrong_are_told_apart_from_a_wrong_gap(tmp_path,
     assert 'FAIL (a) same result' in out and 'each gap computes what slow_step\'s part does' in out
 
 
-def test_the_skeleton_filled_right_passes(tmp_path, capsys):
-    ok, out = checked(capsys, skeleton(tmp_path, 'filled'), 'faster step: pass')
+def notebook_skeleton():
+    """The English text of section 09's %%writefile my_fast_step.py cell, without its first line."""
+    for source in sorted((ROOT / 'notebooks' / 'src').glob('09-*.txt')):
+        for cell in nbpair.parse(source):
+            if cell['type'] == 'code' and cell['en'].startswith('%%writefile my_fast_step.py'):
+                return cell['en'].split('\n', 1)[1]
+    raise AssertionError("section 09's source has no %%writefile my_fast_step.py cell")
+
+
+def test_the_notebooks_skeleton_is_not_built_and_passes_once_its_gaps_are_filled(tmp_path, capsys):
+    text = notebook_skeleton()
+    (tmp_path / 'my_fast_step.py').write_text(text)
+    assert not check_faster_step(str(tmp_path / 'my_fast_step.py'))
+    assert capsys.readouterr().out.startswith('not built yet: gap 1 still raises NotImplementedError')
+    for number, gap in enumerate(GAPS, 1):
+        line = f"    raise NotImplementedError('gap {number}')\n"
+        assert line in text, f'the skeleton has no {line!r}'
+        text = text.replace(line, f'    {GAPS[gap]}\n')
+    (tmp_path / 'filled.py').write_text(text)
+    ok, out = checked(capsys, tmp_path / 'filled.py', 'faster step: pass')
     assert ok, out
     assert 'pass (c) whole-tensor work: gaps 1, 2 and 3 run' in out
 

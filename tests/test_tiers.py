@@ -140,6 +140,6 @@ def test_the_test_command_keeps_each_file_on_one_worker():
     files (--dist loadfile), and may ask for workers only where conftest can pin them."""
     script = (ROOT / 'course').read_text(encoding='utf-8')
     workers = script[script.index('test_workers() {'):script.index('\n}\n', script.index('test_workers() {'))]
-    assert '"-n 2 --dist loadfile"' in workers
+    assert '"-n 2 --dist loadfile --no-loadscope-reorder"' in workers   # conftest's order, not most-tests-first
     assert 'sched_setaffinity' in workers and '>= 2' in workers
     assert '$(test_workers) "$@"' in script   # before the user's arguments, so `-n 0` overrides
