@@ -84,29 +84,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker('browser')
         elif path.endswith('test_export.py'):
             item.add_marker('export')
-    if os.environ.get('PYTEST_XDIST_WORKER'):
-        items[:] = longest_files_first(items)
-
-
-# Under xdist the workers take files in the order collected (./course test turns off xdist's own
-# reordering, most tests first), the next one as they run out. The last file started sets when the
-# run ends, so the long ones (a notebook: 10-90 s) go first and the quick tier's many short files
-# fill both workers' ends. Run in one process, order is kept.
-TIER_ORDER = ('notebooks', 'export', 'browser', 'procs')
-
-
-def longest_files_first(items):
-    """items sorted by their file's tier (notebooks, export, browser, procs, then the quick tier; a
-    file with one procs test counts as procs), each file's tests together and in their order."""
-    def tier(item):
-        return next((i for i, name in enumerate(TIER_ORDER) if item.get_closest_marker(name)), len(TIER_ORDER))
-
-    def file_of(item):
-        return item.nodeid.split('::')[0]
-    file_tier = {}
-    for item in items:
-        file_tier[file_of(item)] = min(tier(item), file_tier.get(file_of(item), len(TIER_ORDER)))
-    return sorted(items, key=lambda item: file_tier[file_of(item)])
 
 
 # Programs a library runs for itself, once per process, whatever the test: not what the procs

@@ -101,23 +101,6 @@ def test_the_report_adds_up_each_workers_seconds():
     assert timing_report.seconds_by(reports, timing_report.worker_of) == {'gw0': 3.5, 'gw1': 0.5, 'main': 1.0}
 
 
-def test_workers_get_the_notebooks_first_and_the_quick_files_last_each_file_whole():
-    """The order xdist hands files out in: by the file's tier, a file with one procs test among
-    quick ones counted as procs and its tests kept in their order."""
-    from types import SimpleNamespace
-
-    import conftest
-
-    def item(nodeid, *marks):
-        return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: name if name in marks else None)
-    items = [item('tests/test_q.py::a'), item('tests/test_p.py::a'), item('tests/test_p.py::b', 'procs'),
-             item('tests/test_p.py::c'), item('tests/test_browser.py::a', 'browser'),
-             item('notebooks/en/01.ipynb::Cell 0', 'notebooks'), item('notebooks/en/01.ipynb::Cell 1', 'notebooks')]
-    order = [i.nodeid for i in conftest.longest_files_first(items)]
-    assert order == ['notebooks/en/01.ipynb::Cell 0', 'notebooks/en/01.ipynb::Cell 1', 'tests/test_browser.py::a',
-                     'tests/test_p.py::a', 'tests/test_p.py::b', 'tests/test_p.py::c', 'tests/test_q.py::a']
-
-
 def test_each_xdist_worker_is_kept_to_a_core_of_its_own_with_one_torch_thread(monkeypatch):
     """Under `pytest -n 2` worker gwK takes the K-th usable core (wrapping round) and one torch
     thread, so two workers' kernels never share a core; outside xdist nothing is touched."""
@@ -140,6 +123,6 @@ def test_the_test_command_keeps_each_file_on_one_worker():
     files (--dist loadfile), and may ask for workers only where conftest can pin them."""
     script = (ROOT / 'course').read_text(encoding='utf-8')
     workers = script[script.index('test_workers() {'):script.index('\n}\n', script.index('test_workers() {'))]
-    assert '"-n 2 --dist loadfile --no-loadscope-reorder"' in workers   # conftest's order, not most-tests-first
+    assert '"-n 2 --dist loadfile"' in workers
     assert 'sched_setaffinity' in workers and '>= 2' in workers
     assert '$(test_workers) "$@"' in script   # before the user's arguments, so `-n 0` overrides
