@@ -268,6 +268,16 @@ def test_the_largest_operator_is_an_aten_operator_even_where_a_wrapper_row_took_
     assert common.top_operator(prof) == ('aten::addmm', 0.3)
 
 
+def test_by_device_time_the_largest_row_is_a_kernel_where_no_aten_row_has_any():
+    # a faked GPU profile: ATen rows carry CPU time only, the kernels carry the device time
+    from types import SimpleNamespace
+    rows = [SimpleNamespace(key='aten::addmm', self_device_time_total=0.0),
+            SimpleNamespace(key='ampere_sgemm_128x64_tn', self_device_time_total=30.0),
+            SimpleNamespace(key='vectorized_elementwise_kernel', self_device_time_total=10.0)]
+    prof = SimpleNamespace(key_averages=lambda: rows)
+    assert common.top_operator(prof, 'self_device_time_total') == ('ampere_sgemm_128x64_tn', 0.75)
+
+
 def test_peaks_in_each_dtype_and_from_datasheets(monkeypatch):
     assert common.matmul_peak(torch.float32, 'cpu') > 1e8
     cpu = dict(clock_ghz=2.0, vector_bits=512, cores=2)
